@@ -1,0 +1,29 @@
+# hvdp: `make test` and `make train` are all a user needs; both run `make setup` first.
+SHELL := /bin/bash
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+NP    ?= 2
+
+.PHONY: setup test test-fast train bench docker-test clean
+
+setup:
+	@bash docker/setup.sh
+
+test: setup
+	$(PY) -m pytest -q tests
+
+# The in-process core tests only: seconds, no launcher.
+test-fast:
+	$(PY) -m pytest -q tests/core
+
+train: setup
+	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) $(PY) examples/train_torch.py
+
+bench: setup
+	$(VENV)/bin/hvdp bench --np $(NP)
+
+docker-test: setup
+	bash docker/test_image.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

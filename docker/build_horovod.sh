@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Build Horovod from its PyPI sdist against the frameworks installed in $PYTHON's environment, with the
+# source fixes today's frameworks need, and cache the wheel outside the repo. Used by `make setup`
+# (docker/setup.sh) and by the Dockerfile: one build recipe for both.
+#
+#   PYTHON=.venv/bin/python docker/build_horovod.sh      -> prints the path of the cached wheel
+#
+# Environment: HVDP_CACHE_DIR (default ~/.cache/hvdp), HOROVOD_GPU_OPERATIONS (e.g. NCCL for the CUDA image;
+# it becomes part of the cache key), MAKEFLAGS (default -j$(nproc)).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON="${PYTHON:-python3}"
+pin() { sed -n "s/^$1==//p" "$here/constraints.txt"; }
+HOROVOD_VERSION="$(pin horovod)"
+
+# The key names everything the binary depends on: the installed frameworks, python and the GPU ops.
+key="$("$PYTHON" - "$HOROVOD_VERSION" "${HOROVOD_GPU_OPERATIONS:-cpu}" <<'PY'
+import platform, sys
+from importlib.metadata import version
+hv, gpu = sys.argv[1:]
+def tf_version():
+    for dist in ("tensorflow-cpu", "tensorflow"):
+        try:
+            return version(dist)
+        except Exception:
+            pass
+    return "none"
+tf = tf_version()
+print(f"horovod-{hv}_torch-{version('torch')}_tf-{tf}_cp{sys.version_info.major}{sys.version_info.minor}"
+      f"_{platform.machine()}_{gpu.lower()}")
+PY
+)"
+cache="${HVDP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdp}/wheels/$key"
+if ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
+    ls "$cache"/horovod-*.whl
+    exit 0
+fi
+
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+echo "building Horovod $HOROVOD_VERSION ($key); this takes about 10 minutes on 2 cores" >&2
+"$PYTHON" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work" >&2
+tar -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
+src="$work/horovod-$HOROVOD_VERSION"
+
+# Fix 1: PyTorch >= 2.1 headers need C++17; Horovod 0.28.1 compiles its core and torch op as C++14.
+sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+# Fix 2: xla_mpi_ops.cc (a GPU-only XLA custom call) includes tensorflow/compiler/xla headers that
+# TensorFlow >= 2.16 no longer ships; without HOROVOD_ENABLE_XLA_OPS it is never used, so leave it out.
+sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
+grep -q 'CMAKE_CXX_STANDARD 14' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt" && { echo "patch failed" >&2; exit 1; }
+
+mkdir -p "$work/out"
+(
+    cd "$src"
+    export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1
+    # CMAKE_POLICY_VERSION_MINIMUM: gloo asks for cmake 2.8, which cmake >= 4 refuses unless told.
+    export CMAKE_POLICY_VERSION_MINIMUM=3.5
+    export HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}"
+    "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$work/out" . >&2
+)
+mkdir -p "$cache"
+mv "$work"/out/horovod-*.whl "$cache/"
+ls "$cache"/horovod-*.whl

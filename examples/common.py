@@ -1,0 +1,87 @@
+"""Data and bookkeeping shared by the three examples (framework-free: numpy, scikit-learn, the core).
+
+The default data is scikit-learn's bundled handwritten digits: 1,797 8x8 grey images, 10 classes, no
+download. `--data file.npz` trains on your own arrays instead: `x` (samples first) and `y` (integer labels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from hvdp import TrainConfig
+from hvdp.core.errors import ConfigError, HvdpError
+
+TEST_FRACTION = 0.2
+SPLIT_SEED = 0  # fixed: every run, every rank and every world size gets the same train/test split
+
+
+def parse_config(description: str, **defaults) -> TrainConfig:
+    parser = argparse.ArgumentParser(description=description)
+    TrainConfig.add_arguments(parser, **defaults)
+    args = parser.parse_args()
+    try:
+        return TrainConfig.from_args(args)
+    except ConfigError as e:
+        parser.error(str(e))
+
+
+def load_data(path: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x_train, y_train, x_test, y_test); x is float32 with samples first, y int64 class indices."""
+    if path is None:
+        from sklearn.datasets import load_digits
+        digits = load_digits()
+        x, y = digits.images[:, None, :, :] / 16.0, digits.target
+    else:
+        x, y = _read_npz(Path(path))
+    x, y = x.astype(np.float32), y.astype(np.int64)
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
+    n_test = int(round(len(x) * TEST_FRACTION))
+    test, train = order[:n_test], order[n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    if not path.is_file():
+        raise ConfigError(f"--data {path}: no such file; give a .npz with arrays x and y")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except Exception as e:
+        raise ConfigError(f"--data {path}: not a readable .npz file ({type(e).__name__}: {e})")
+    missing = {"x", "y"} - arrays.keys()
+    if missing:
+        raise ConfigError(f"--data {path}: missing array(s) {sorted(missing)}; found {sorted(arrays)}. "
+                          f"Save with np.savez(path, x=inputs, y=labels)")
+    x, y = arrays["x"], arrays["y"]
+    if x.ndim < 2 or len(x) != len(y) or y.ndim != 1:
+        raise ConfigError(f"--data {path}: x must be (samples, ...) and y (samples,); got x{x.shape}, y{y.shape}")
+    if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
+        raise ConfigError(f"--data {path}: y must hold integer class labels >= 0, got dtype {y.dtype}")
+    if not np.isfinite(x).all():
+        raise ConfigError(f"--data {path}: x contains NaN or inf values")
+    if x.ndim == 2:    # (samples, features) -> a 1-pixel-high, one-channel image
+        x = x[:, None, None, :]
+    elif x.ndim == 3:  # (samples, h, w) -> one channel
+        x = x[:, None, :, :]
+    elif x.ndim > 4:
+        raise ConfigError(f"--data {path}: x has {x.ndim} dimensions; use (samples, [channels,] h, w)")
+    return x, y
+
+
+def num_classes(*ys: np.ndarray) -> int:
+    return int(max(int(y.max()) for y in ys)) + 1
+
+
+def report(result: dict) -> None:
+    """The examples' last line of output: `result: {json}` (rank 0 only; callers check)."""
+    print("result: " + json.dumps(result, sort_keys=True), flush=True)
+
+
+def fail(error: HvdpError) -> None:
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(1)

@@ -1,0 +1,31 @@
+"""hvdp: data-parallel training over Horovod for PyTorch and TensorFlow/Keras 3.
+
+`import hvdp` loads only the framework-free core. The adapters load their framework on use:
+
+    import hvdp.torch as hvdp_torch        # PyTorch
+    import hvdp.tensorflow as hvdp_tf      # TensorFlow custom loops
+    import hvdp.keras as hvdp_keras        # Keras 3 model.fit
+"""
+
+from hvdp.core.config import TrainConfig
+from hvdp.core.errors import (
+    CheckpointError,
+    ConfigError,
+    DivergenceError,
+    HvdpError,
+    SetupError,
+)
+from hvdp.core.world import World
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DivergenceError",
+    "HvdpError",
+    "SetupError",
+    "TrainConfig",
+    "World",
+    "__version__",
+]

@@ -1,0 +1,103 @@
+"""Checkpoint policy shared by every adapter: file names, atomic writes, retention and the metadata check.
+
+The adapters only serialise (torch.save, numpy's savez); where and how safely the bytes land is decided
+here. A checkpoint is written to a temporary file in the same directory, fsynced, renamed into place and
+the directory fsynced, so a crash at any moment leaves either the old set of checkpoints or the new one,
+never a half-written file under a checkpoint name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from hvdp.core.errors import CheckpointError
+
+FORMAT = "hvdp-checkpoint/1"
+_NAME = re.compile(r"^ckpt-(\d{8})\.(pt|npz)$")
+
+
+def checkpoint_name(step: int, suffix: str) -> str:
+    """The file name for the checkpoint taken after global optimizer step `step`."""
+    return f"ckpt-{step:08d}.{suffix}"
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints in `directory`, oldest first. Temporary files of interrupted saves are ignored."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str | os.PathLike | None) -> Path | None:
+    """The newest checkpoint in `directory`, or None when there is none (or no directory)."""
+    if directory is None:
+        return None
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[Any], None]) -> Path:
+    """Call `write(fileobj)` on a temp file next to `path`, then fsync and rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dirfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dirfd)
+    finally:
+        os.close(dirfd)
+    return path
+
+
+def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints (and stale temp files); return what was deleted."""
+    found = list_checkpoints(directory)
+    doomed = found[:-keep] if keep > 0 else found
+    for p in doomed:
+        p.unlink(missing_ok=True)
+    for stale in Path(directory).glob(".ckpt-*.tmp"):
+        stale.unlink(missing_ok=True)
+    return doomed
+
+
+def fingerprint(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> str:
+    """A short hash of a model's parameter names and shapes, to recognise a checkpoint of another model."""
+    h = hashlib.sha256()
+    for name, shape in shapes:
+        h.update(f"{name}:{tuple(int(s) for s in shape)};".encode())
+    return h.hexdigest()[:16]
+
+
+def make_meta(*, framework: str, step: int, epoch: int, world_size: int, model_fingerprint: str) -> dict:
+    return {"format": FORMAT, "framework": framework, "step": int(step), "epoch": int(epoch),
+            "world_size": int(world_size), "fingerprint": model_fingerprint}
+
+
+def check_meta(meta: Any, path: Path, *, framework: str, model_fingerprint: str) -> dict:
+    """Refuse a checkpoint that hvdp did not write, or that belongs to another framework or model."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an hvdp checkpoint (no '{FORMAT}' header); "
+                              f"point --checkpoint-dir at a directory written by hvdp")
+    if meta.get("framework") != framework:
+        raise CheckpointError(f"{path} was written by the {meta.get('framework')} adapter, not {framework}")
+    if meta.get("fingerprint") != model_fingerprint:
+        raise CheckpointError(
+            f"{path} holds a different model (parameter names/shapes fingerprint {meta.get('fingerprint')}, "
+            f"this model {model_fingerprint}); use another --checkpoint-dir or the model it was saved from")
+    return meta

@@ -1,0 +1,51 @@
+"""Learning-rate scaling for large effective batches: the linear rule with gradual warmup (Goyal et al. 2017).
+
+With N ranks, per-rank batch b and k accumulated backward passes, one optimizer step sees N*k*b samples.
+The base learning rate is the one tuned for batch b on one process; the rule multiplies it:
+
+    linear  lr = base * N*k        (Goyal et al. 2017; what Horovod's examples do by hand)
+    sqrt    lr = base * sqrt(N*k)  (Krizhevsky 2014; often better for Adam-like optimizers)
+    none    lr = base
+
+Adasum combines gradients so that no rescaling is needed: its multiplier is 1 whatever the rule.
+Warmup ramps linearly from the base rate to the scaled one over `warmup_steps` optimizer steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hvdp.core.errors import ConfigError
+
+LR_RULES = ("linear", "sqrt", "none")
+
+
+def lr_multiplier(rule: str, size: int, *, backward_passes_per_step: int = 1, op: str = "average") -> float:
+    """How much the base learning rate grows for `size` ranks each accumulating `backward_passes_per_step`."""
+    if rule not in LR_RULES:
+        raise ConfigError(f"unknown lr_scaling={rule!r}; choose one of {', '.join(LR_RULES)}")
+    if size < 1 or backward_passes_per_step < 1:
+        raise ConfigError(
+            f"size ({size}) and backward_passes_per_step ({backward_passes_per_step}) must be >= 1")
+    if op == "adasum" or rule == "none":
+        return 1.0
+    batches = size * backward_passes_per_step
+    return float(batches) if rule == "linear" else math.sqrt(batches)
+
+
+def warmup_factor(step: int, warmup_steps: int, multiplier: float) -> float:
+    """The fraction of the scaled rate to use at optimizer step `step` (0-based).
+
+    Starts at 1/multiplier (the base rate) and reaches 1 at `warmup_steps`; 1 throughout without warmup.
+    """
+    if warmup_steps < 0 or step < 0:
+        raise ConfigError(f"step ({step}) and warmup_steps ({warmup_steps}) must be >= 0")
+    if warmup_steps == 0 or step >= warmup_steps or multiplier == 1.0:
+        return 1.0
+    start = 1.0 / multiplier
+    return start + (1.0 - start) * step / warmup_steps
+
+
+def scaled_lr(base_lr: float, step: int, *, multiplier: float, warmup_steps: int = 0) -> float:
+    """The learning rate at optimizer step `step`: base * multiplier * warmup_factor."""
+    return base_lr * multiplier * warmup_factor(step, warmup_steps, multiplier)

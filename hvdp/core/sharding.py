@@ -1,0 +1,103 @@
+"""Which samples each rank sees, as pure functions of (dataset size, seed, epoch, rank, size).
+
+The epoch order is a permutation that depends only on (seed, epoch): not on the world size, not on any
+global RNG. Step j of the epoch consumes the global batch order[j*N*b : (j+1)*N*b], and rank r takes the
+r-th contiguous slice of it. So at every step a size-1 run with batch N*b sees exactly the union of what N
+ranks see with batch b, and ranks never see the same sample within an epoch.
+
+Evaluation shards are contiguous, unshuffled and unpadded, so summed metrics count every sample once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hvdp.core.errors import ConfigError
+
+
+def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The global order of the n sample indices for `epoch`: a function of (seed, epoch) alone."""
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int64)
+
+
+def _split(count: int, parts: int, part: int) -> tuple[int, int]:
+    """Bounds of `part` when `count` items are split into `parts` contiguous pieces differing by <= 1."""
+    base, extra = divmod(count, parts)
+    start = part * base + min(part, extra)
+    return start, start + base + (1 if part < extra else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """The training batches of one rank. `batch_size` is per rank; all ranks get the same number of steps."""
+
+    n: int
+    batch_size: int
+    rank: int = 0
+    size: int = 1
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not 0 <= self.rank < self.size:
+            raise ConfigError(f"rank {self.rank} is outside a world of size {self.size}")
+        if self.n < self.size:
+            raise ConfigError(
+                f"the dataset has {self.n} samples but the job has {self.size} ranks: every rank needs "
+                f"at least one sample; use more data or fewer ranks", rank=self.rank)
+        if self.batch_size > self.n // self.size:
+            raise ConfigError(
+                f"batch_size ({self.batch_size}) is larger than each rank's shard of the data "
+                f"({self.n} samples / {self.size} ranks = {self.n // self.size}); use --batch-size "
+                f"{max(1, self.n // self.size)} or less", rank=self.rank)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.n, self.global_batch)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def batch(self, epoch: int, step: int, order: np.ndarray | None = None) -> np.ndarray:
+        """The sample indices this rank uses at `step` of `epoch`."""
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step {step} outside epoch of {self.steps_per_epoch} steps")
+        if order is None:
+            order = epoch_order(self.n, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        lo = step * self.global_batch
+        chunk = order[lo:lo + self.global_batch]
+        if len(chunk) == self.global_batch:
+            return chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+        # The last, partial global batch: split as evenly as possible. If it has fewer samples than
+        # ranks, top it up from the start of the epoch so that no rank is left with an empty batch.
+        if len(chunk) < self.size:
+            chunk = np.concatenate([chunk, order[:self.size - len(chunk)]])
+        start, stop = _split(len(chunk), self.size, self.rank)
+        return chunk[start:stop]
+
+    def batches(self, epoch: int, start_step: int = 0):
+        """Yield this rank's batches of `epoch`, from `start_step` (to resume mid-epoch)."""
+        order = epoch_order(self.n, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        for step in range(start_step, self.steps_per_epoch):
+            yield self.batch(epoch, step, order)
+
+
+def eval_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
+    """The contiguous [start, stop) slice of an n-sample evaluation set that `rank` scores.
+
+    Slices differ in length by at most one, cover all n samples and never overlap, so metric sums
+    (correct, loss*count, count) all-reduced with op=sum count every sample exactly once. A rank may get
+    an empty slice when n < size; the sums stay exact.
+    """
+    if not 0 <= rank < size:
+        raise ConfigError(f"rank {rank} is outside a world of size {size}")
+    return _split(n, size, rank)

@@ -1,0 +1,70 @@
+"""Who am I in the job: rank, size and the launcher that started us."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from hvdp.core.errors import ConfigError
+
+# Variables each launcher sets, in order of precedence: (launcher, rank, size, local rank, local size).
+_LAUNCHER_VARS = (
+    ("horovodrun (gloo)", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+    ("mpirun (OpenMPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpirun (MPICH/PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("slurm (srun)", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """This process's place in the job. Size 1 when launched as plain `python`."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ConfigError(f"invalid world: rank={self.rank}, size={self.size} (need 0 <= rank < size)")
+        if self.local_size < 1 or not 0 <= self.local_rank < self.local_size:
+            raise ConfigError(
+                f"invalid world: local_rank={self.local_rank}, local_size={self.local_size}")
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that logs, writes checkpoints and prints results."""
+        return self.rank == 0
+
+    @classmethod
+    def from_horovod(cls, hvd: Any) -> "World":
+        """Read the world from an initialised Horovod module (horovod.torch or horovod.tensorflow)."""
+        return cls(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "World":
+        """The world as the launcher's environment variables describe it, without initialising anything."""
+        env = os.environ if environ is None else environ
+        for _, rank, size, local_rank, local_size in _LAUNCHER_VARS:
+            if rank in env and size in env:
+                def get(name: str, default: int) -> int:
+                    value = env.get(name, "")
+                    return int(value) if value.isdigit() else default
+                r, s = int(env[rank]), int(env[size])
+                return cls(rank=r, size=s, local_rank=get(local_rank, 0),
+                           local_size=max(get(local_size, 1), get(local_rank, 0) + 1))
+        return cls()
+
+
+def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
+    """Name the launcher that started this process, from its environment variables."""
+    env = os.environ if environ is None else environ
+    for name, rank, size, *_ in _LAUNCHER_VARS:
+        if rank in env and size in env:
+            if name.startswith("mpirun (OpenMPI)") and "HOROVOD_HOSTNAME" in env:
+                return "horovodrun (mpi)"
+            return name
+    return "python (single process)"

@@ -1,0 +1,106 @@
+"""`hvdp doctor`: versions, what Horovod was built with, the launcher it sees, and a verdict with fixes."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from hvdp.core.world import World, detect_launcher
+
+PACKAGES = ("torch", "tensorflow-cpu", "tensorflow", "keras", "horovod", "mpi4py", "numpy")
+LAUNCH_VARS = re.compile(r"^(HOROVOD_|OMPI_COMM_WORLD_|PMI_|SLURM_(PROCID|NTASKS|LOCALID|JOB_ID|NODELIST))")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--no-build-check", action="store_true",
+                        help="skip `horovodrun --check-build` (it imports the frameworks: a few seconds)")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _pins() -> dict[str, str]:
+    """The tested pins from docker/constraints.txt, when running from a checkout."""
+    path = Path(__file__).resolve().parents[2] / "docker" / "constraints.txt"
+    if not path.is_file():
+        return {}
+    return dict(line.split("==", 1) for line in path.read_text().split() if "==" in line)
+
+
+def _mpi_version() -> str | None:
+    if not shutil.which("mpirun"):
+        return None
+    out = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
+    return out.splitlines()[0].strip() if out else "unknown"
+
+
+def check_build() -> dict[str, bool] | None:
+    """Parse `horovodrun --check-build` into {"PyTorch": True, "MPI": False, ...}; None if unavailable."""
+    exe = shutil.which("horovodrun") or str(Path(sys.executable).with_name("horovodrun"))
+    if not Path(exe).exists():
+        return None
+    out = subprocess.run([exe, "--check-build"], capture_output=True, text=True, timeout=120).stdout
+    return {m.group(2).strip(): m.group(1) == "X" for m in re.finditer(r"\[(X| )\] (.+)", out)}
+
+
+def run(args) -> int:
+    problems: list[str] = []
+    print("hvdp doctor\n")
+    print(f"  python       {platform.python_version()} ({sys.executable})")
+    pins = _pins()
+    for dist in PACKAGES:
+        have = _version(dist)
+        if have is None and dist in ("tensorflow", "tensorflow-cpu"):
+            continue
+        pin = pins.get(dist)
+        note = "" if pin is None or have is None or have.split("+")[0] == pin else f"   (tested: {pin})"
+        print(f"  {dist:<12} {have or 'not installed'}{note}")
+    if _version("horovod") is None:
+        problems.append("horovod is not installed: run `make setup`")
+    if _version("tensorflow-cpu") is None and _version("tensorflow") is None:
+        problems.append("tensorflow is not installed (needed by hvdp.tensorflow / hvdp.keras): run `make setup`")
+    if _version("torch") is None:
+        problems.append("torch is not installed (needed by hvdp.torch): run `make setup`")
+    mpi = _mpi_version()
+    print(f"  MPI          {mpi or 'mpirun not found'}")
+    if mpi is None:
+        problems.append("mpirun not found: install OpenMPI (Debian: apt-get install openmpi-bin libopenmpi-dev)")
+
+    print("\nHorovod was built with:")
+    built = None if args.no_build_check or _version("horovod") is None else check_build()
+    if built is None:
+        print("  (not checked)")
+    else:
+        print("  " + "  ".join(f"[{'X' if v else ' '}] {k}" for k, v in built.items()))
+        for need, fix in (("PyTorch", "horovod not built with PyTorch"), ("TensorFlow", "horovod not built with TensorFlow"),
+                          ("MPI", "horovod not built with MPI"), ("Gloo", "horovod not built with Gloo")):
+            if not built.get(need):
+                problems.append(f"{fix}: run `make setup` (it rebuilds Horovod with HOROVOD_WITH_{need.upper()}=1)")
+
+    launcher = detect_launcher()
+    world = World.from_env()
+    print(f"\nLauncher: {launcher}; rank {world.rank} of {world.size} "
+          f"(local {world.local_rank} of {world.local_size})")
+    seen = {k: v for k, v in sorted(os.environ.items()) if LAUNCH_VARS.match(k)}
+    for k, v in seen.items():
+        print(f"  {k}={v}")
+    print("\nRunning on several hosts:")
+    print("  horovodrun -np 8 -H host1:4,host2:4 python examples/train_torch.py")
+    print("  horovodrun -np 8 --hostfile hosts.txt python examples/train_torch.py   (lines: 'host1 slots=4')")
+    print("  mpirun -np 8 --hostfile hosts.txt -x PATH -x PYTHONPATH -bind-to none python examples/train_torch.py")
+    print("  sbatch examples/slurm.sbatch        (Slurm; see README)")
+
+    print("\nVerdict:", "OK" if not problems else f"{len(problems)} problem(s)")
+    for p in problems:
+        print(f"  - {p}")
+    return 1 if problems else 0

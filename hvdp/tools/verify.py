@@ -1,0 +1,101 @@
+"""`hvdp verify`: prove on this machine that N ranks with batch b take the same steps as 1 process with N*b.
+
+It launches N ranks (horovodrun on localhost, or runs directly when already started by a launcher). Each
+rank initialises its model from a *different* seed, so the broadcast from rank 0 is tested too. Rank 0
+also trains a private copy of the model as one plain process (no Horovod, no hvdp) on the union of the
+ranks' batches, with the learning rate the scaling rule gives. After `--steps` optimizer steps it
+compares the weights and prints the largest difference; the replicas must also be bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+FRAMEWORKS = ("torch", "tensorflow", "keras")
+OPTIMIZERS = ("sgd", "adam")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--framework", choices=FRAMEWORKS, default="torch")
+    parser.add_argument("--np", type=int, default=2, help="ranks to launch (default 2)")
+    parser.add_argument("--gloo", action="store_true", help="use the Gloo controller instead of MPI")
+    parser.add_argument("--model", metavar="MODULE:FACTORY",
+                        help="your model: FACTORY() returns an untrained model (default: a small MLP)")
+    parser.add_argument("--input-shape", default="20", metavar="D[,D...]",
+                        help="shape of one input sample for --model, e.g. 3,32,32 (default 20)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="sgd (momentum 0.9) or adam")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps to compare (default 5)")
+    parser.add_argument("--batch-size", type=int, default=8, help="per-rank batch b (default 8)")
+    parser.add_argument("--accumulate", type=int, default=1, help="backward passes per step (default 1)")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--tolerance", type=float, default=1e-5, help="max |weight difference| allowed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker", action="store_true", help=argparse_suppress())
+
+
+def argparse_suppress():
+    import argparse
+    return argparse.SUPPRESS
+
+
+def run(args) -> int:
+    for name in ("np", "steps", "batch_size", "accumulate"):
+        if getattr(args, name) < 1:
+            print(f"hvdp verify: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+            return 2
+    if args.worker or _launched():
+        return _worker(args)
+    horovodrun = shutil.which("horovodrun") or str(Path(sys.executable).with_name("horovodrun"))
+    cmd = [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}"]
+    if args.gloo:
+        cmd.append("--gloo")
+    cmd += [sys.executable, "-m", "hvdp.tools.cli", "verify", "--worker"] + _forward(args)
+    print("hvdp verify: " + " ".join(cmd), flush=True)
+    return subprocess.run(cmd).returncode
+
+
+def _launched() -> bool:
+    return any(v in os.environ for v in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+
+
+def _forward(args) -> list[str]:
+    out = ["--framework", args.framework, "--optimizer", args.optimizer, "--steps", str(args.steps),
+           "--batch-size", str(args.batch_size), "--accumulate", str(args.accumulate), "--lr", str(args.lr),
+           "--tolerance", str(args.tolerance), "--seed", str(args.seed), "--input-shape", args.input_shape]
+    return out + (["--model", args.model] if args.model else [])
+
+
+def load_factory(spec: str):
+    """'package.module:function' -> the function."""
+    import importlib
+    module, sep, name = spec.partition(":")
+    if not sep or not name:
+        raise SystemExit(f"hvdp verify: --model must look like module:factory, got {spec!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"hvdp verify: cannot load --model {spec!r}: {e}")
+
+
+def _worker(args) -> int:
+    from hvdp.tools import equivalence
+    shape = tuple(int(d) for d in args.input_shape.split(","))
+    factory = load_factory(args.model) if args.model else None
+    result = equivalence.run(args.framework, optimizer=args.optimizer, steps=args.steps,
+                             batch_size=args.batch_size, accumulate=args.accumulate, lr=args.lr,
+                             seed=args.seed, factory=factory, input_shape=shape)
+    ok = result["max_abs_diff"] <= args.tolerance and result["replicas_identical"]
+    if result["rank"] == 0:
+        verdict = "PASS" if ok else "FAIL"
+        print(f"{result['size']} ranks x batch {args.batch_size} (x{args.accumulate} accumulated) vs 1 process x "
+              f"batch {result['size'] * args.batch_size * args.accumulate}, {args.optimizer}, {args.steps} steps: "
+              f"max |dw| = {result['max_abs_diff']:.3g} (tolerance {args.tolerance:g}); replicas identical: "
+              f"{result['replicas_identical']} -> {verdict}")
+        print("verify: " + json.dumps({**result, "tolerance": args.tolerance, "ok": ok}, sort_keys=True), flush=True)
+    return 0 if ok else 1

@@ -1,0 +1,403 @@
+"""PyTorch adapter: plain functions over the core and horovod.torch.
+
+    import hvdp.torch as hvdp_torch
+    world = hvdp_torch.init()
+    optimizer = hvdp_torch.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    loader = hvdp_torch.shard(train_set, batch_size=32)
+    for epoch in range(epochs):
+        for x, y in loader:               # a new order every epoch, no set_epoch to forget
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    metrics = hvdp_torch.evaluate(model, test_set)   # every test sample counted exactly once
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from hvdp import _horovod
+from hvdp.core import checkpoint as ckpt
+from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
+from hvdp.core.scaling import lr_multiplier, warmup_factor
+from hvdp.core.sharding import ShardPlan, eval_bounds
+from hvdp.core.world import World
+
+hvd = _horovod.import_horovod("torch")
+
+_OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
+_COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+
+
+def init(*, timeline: str | None = None) -> World:
+    """Initialise Horovod (horovodrun, mpirun, or plain python as size 1) and return this process's World.
+
+    `timeline`: write Horovod's timeline (Chrome trace of every collective) to this path.
+    """
+    return _horovod.init("torch", timeline)[1]
+
+
+def world() -> World:
+    return World.from_horovod(hvd)
+
+
+# --------------------------------------------------------------------------------------------- optimizer
+
+@dataclass(slots=True)
+class _Schedule:
+    """The LR scaling attached to a prepared optimizer; `step` counts optimizer steps taken."""
+
+    multiplier: float
+    warmup_steps: int
+    step: int = 0
+    depth: int = 0          # step() nests (Horovod's step calls the base step): act on the outer one
+    saved: tuple = ()
+
+
+def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scaling: str = "linear",
+            warmup_steps: int = 0, compression: str = "none", op: str = "average",
+            backward_passes_per_step: int = 1, sync_batchnorm: bool = False) -> torch.optim.Optimizer:
+    """Make `optimizer` data-parallel; return the optimizer to use from now on.
+
+    - scales every param group's learning rate by the rule (see hvdp.core.scaling) and, with
+      `warmup_steps`, ramps it from the base rate over that many optimizer steps;
+    - wraps it in Horovod's DistributedOptimizer (gradients averaged across ranks, fp16 compression or
+      Adasum when asked); with `backward_passes_per_step=k` gradients of k backward passes are averaged
+      (not summed), so k passes of batch b equal one pass of batch k*b;
+    - broadcasts parameters, buffers and optimizer state from rank 0, so all replicas start identical.
+
+    Gradient clipping: call `optimizer.synchronize()`, clip, then step inside
+    `with optimizer.skip_synchronize(): optimizer.step()` (see README).
+    """
+    if op not in _OPS:
+        raise ConfigError(f"op={op!r} is not one of {', '.join(_OPS)}")
+    if compression not in _COMPRESSIONS:
+        raise ConfigError(f"compression={compression!r} is not one of {', '.join(_COMPRESSIONS)}")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ConfigError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+    if warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if not hvd.is_initialized():
+        init()
+    if sync_batchnorm:
+        _convert_sync_batchnorm(model)
+    multiplier = lr_multiplier(lr_scaling, hvd.size(), backward_passes_per_step=backward_passes_per_step, op=op)
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * multiplier
+    if backward_passes_per_step > 1:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_hook(lambda g, k=backward_passes_per_step: g / k)
+    dist = hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(), compression=_COMPRESSIONS[compression],
+        op=_OPS[op], backward_passes_per_step=backward_passes_per_step)
+    broadcast(model, dist)
+    schedule = _Schedule(multiplier=multiplier, warmup_steps=warmup_steps)
+    dist.hvdp_schedule = schedule
+    if warmup_steps and multiplier != 1.0:
+        dist.register_step_pre_hook(_warmup_pre_hook)
+    dist.register_step_post_hook(_count_post_hook)
+    return dist
+
+
+def _warmup_pre_hook(optimizer, args, kwargs):
+    s = optimizer.hvdp_schedule
+    if s.depth == 0:
+        factor = warmup_factor(s.step, s.warmup_steps, s.multiplier)
+        s.saved = tuple(g["lr"] for g in optimizer.param_groups)
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * factor
+    s.depth += 1
+
+
+def _count_post_hook(optimizer, args, kwargs):
+    s = optimizer.hvdp_schedule
+    if s.saved:
+        s.depth -= 1
+        if s.depth:
+            return
+        for g, lr in zip(optimizer.param_groups, s.saved):
+            g["lr"] = lr
+        s.saved = ()
+        s.step += 1
+    elif s.depth == 0:
+        # Without warmup only the post hook is registered: count the outer step, not the nested one.
+        s.depth = 1
+        s.step += 1
+    else:
+        s.depth = 0
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate the next step() will use (first param group), warmup included."""
+    s = getattr(optimizer, "hvdp_schedule", None)
+    lr = optimizer.param_groups[0]["lr"]
+    return lr if s is None else lr * warmup_factor(s.step, s.warmup_steps, s.multiplier)
+
+
+def broadcast(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, root_rank: int = 0):
+    """Copy parameters, buffers and (non-empty) optimizer state from `root_rank` to every rank.
+
+    A fresh optimizer has no state on any rank, so only its hyperparameters are sent. (Horovod's
+    broadcast_optimizer_state would first take a zero-gradient step to create state, which advances
+    Adam's step count and applies weight decay once: the run would no longer match one process.)
+    """
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+    if optimizer is None:
+        return
+    if optimizer.state_dict()["state"]:
+        hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    for group, values in zip(optimizer.param_groups, hvd.broadcast_object(hyper, root_rank=root_rank)):
+        group.update(values)
+
+
+def _convert_sync_batchnorm(module: torch.nn.Module) -> None:
+    """Replace BatchNorm layers in place by Horovod's SyncBatchNorm, sharing parameters and buffers."""
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(child, hvd.SyncBatchNorm):
+            sync = hvd.SyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
+                                     child.track_running_stats)
+            if child.affine:
+                sync.weight, sync.bias = child.weight, child.bias
+            if child.track_running_stats:
+                sync.running_mean, sync.running_var = child.running_mean, child.running_var
+                sync.num_batches_tracked = child.num_batches_tracked
+            sync.train(child.training)
+            setattr(module, name, sync)
+        else:
+            _convert_sync_batchnorm(child)
+
+
+# ------------------------------------------------------------------------------------------------- data
+
+class ShardSampler(torch.utils.data.Sampler):
+    """A batch sampler yielding this rank's batches; each iteration starts the next epoch by itself."""
+
+    def __init__(self, plan: ShardPlan):
+        self.plan = plan
+        self.epoch = 0
+        self._start_step = 0
+
+    def __len__(self) -> int:
+        return self.plan.steps_per_epoch
+
+    def __iter__(self):
+        epoch, start = self.epoch, self._start_step
+        self.epoch, self._start_step = epoch + 1, 0
+        for batch in self.plan.batches(epoch, start):
+            yield batch.tolist()
+
+    def set_position(self, epoch: int, step: int = 0) -> None:
+        """Make the next iteration run `epoch` from batch `step` (used when resuming a checkpoint)."""
+        self.epoch, self._start_step = int(epoch), int(step)
+
+
+def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool = True, seed: int = 0,
+          drop_last: bool = False, **loader_kwargs: Any) -> torch.utils.data.DataLoader:
+    """A DataLoader over this rank's share of `dataset`; `batch_size` is per rank.
+
+    The epoch order depends only on (seed, epoch); ranks get disjoint slices of each global batch, so
+    N ranks with batch b see at every step exactly what one process with batch N*b sees.
+    """
+    w = world() if hvd.is_initialized() else init()
+    plan = ShardPlan(n=len(dataset), batch_size=batch_size, rank=w.rank, size=w.size, seed=seed,
+                     shuffle=shuffle, drop_last=drop_last)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=ShardSampler(plan), **loader_kwargs)
+
+
+# ------------------------------------------------------------------------------------------ collectives
+
+def average(value: float | torch.Tensor, name: str | None = None) -> float:
+    """The mean of a scalar over all ranks (for metrics and logging)."""
+    t = torch.as_tensor(value, dtype=torch.float64).detach().reshape(())
+    return float(hvd.allreduce(t, op=hvd.Average, name=name))
+
+
+def check_finite(loss: torch.Tensor, step: int) -> None:
+    """Raise NonFiniteLossError on every rank if the loss is NaN or inf on any rank (which is named)."""
+    bad = torch.tensor([0.0 if math.isfinite(float(loss)) else 1.0])
+    flags = hvd.allgather(bad)
+    if flags.any():
+        ranks = [int(r) for r in torch.nonzero(flags).flatten()]
+        raise NonFiniteLossError(
+            f"loss is not finite at step {step} on rank(s) {ranks} (loss on this rank: {float(loss)}); "
+            f"lower the learning rate, enable warmup, or check the data", rank=hvd.rank())
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch_size: int = 256,
+             loss_fn=torch.nn.functional.cross_entropy) -> dict[str, float]:
+    """Loss and accuracy of a classifier over `dataset`, counting every sample exactly once on any world size.
+
+    Each rank scores a contiguous, unpadded slice; the sums are all-reduced. Returns
+    {"loss", "accuracy", "samples"}.
+    """
+    w = world()
+    start, stop = eval_bounds(len(dataset), w.rank, w.size)
+    subset = torch.utils.data.Subset(dataset, range(start, stop))
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    for x, y in torch.utils.data.DataLoader(subset, batch_size=batch_size):
+        out = model(x)
+        sums += torch.tensor([float(loss_fn(out, y, reduction="sum")),
+                              float((out.argmax(1) == y).sum()), len(y)], dtype=torch.float64)
+    model.train(was_training)
+    total = hvd.allreduce(sums, op=hvd.Sum, name="hvdp.evaluate")
+    return {"loss": float(total[0] / total[2]), "accuracy": float(total[1] / total[2]),
+            "samples": int(total[2])}
+
+
+def log(*args: Any, **kwargs: Any) -> None:
+    """print() on rank 0 only."""
+    if not hvd.is_initialized() or hvd.rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def progress(iterable: Iterable, **tqdm_kwargs: Any) -> Iterable:
+    """A tqdm progress bar on rank 0; the bare iterable elsewhere."""
+    from tqdm.auto import tqdm
+    return tqdm(iterable, disable=hvd.rank() != 0, **tqdm_kwargs)
+
+
+def check_consistency(model: torch.nn.Module) -> None:
+    """Raise DivergenceError on every rank if any parameter or buffer differs across ranks, naming the first
+    one and the ranks that differ from rank 0. Compares exact bytes, so it catches the smallest drift."""
+    digest = [(name, tuple(t.shape), hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest())
+              for name, t in model.state_dict().items()]
+    gathered = hvd.allgather_object(digest)
+    reference = gathered[0]
+    for rank, other in enumerate(gathered[1:], start=1):
+        if [(n, s) for n, s, _ in other] != [(n, s) for n, s, _ in reference]:
+            mine = {n: s for n, s, _ in other}
+            first = next(((n, s) for n, s, _ in reference if mine.get(n) != s), None) or (other[len(reference)][0], None)
+            raise DivergenceError(
+                f"rank {rank} holds a different model than rank 0: {first[0]!r} has shape "
+                f"{mine.get(first[0])} on rank {rank} and {first[1]} on rank 0; every rank must build the "
+                f"same model", rank=hvd.rank())
+    for i, (name, _, h) in enumerate(reference):
+        ranks = [r for r, other in enumerate(gathered) if other[i][2] != h]
+        if ranks:
+            raise DivergenceError(
+                f"replicas diverged: {name!r} differs from rank 0 on rank(s) {ranks}. Broadcast the initial "
+                f"state (hvdp.torch.prepare does) and avoid rank-dependent code paths", rank=hvd.rank())
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+def _fingerprint(model: torch.nn.Module) -> str:
+    return ckpt.fingerprint((n, tuple(t.shape)) for n, t in model.state_dict().items())
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+
+
+def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                    epoch: int, step: int, global_step: int, keep: int = 3, **extra: Any) -> Path | None:
+    """Write a checkpoint on rank 0 (atomically) and keep the newest `keep`; every rank must call it.
+
+    `epoch` and `step` (batches done in that epoch) say where to resume the data order; `global_step`
+    names the file. `extra` holds plain values (numbers, strings, lists, dicts, tensors).
+    Returns the path on rank 0, None elsewhere.
+    """
+    rng = hvd.allgather_object(_rng_state())  # every rank's RNG, so a resumed run continues exactly
+    if hvd.rank() != 0:
+        hvd.barrier()
+        return None
+    schedule = getattr(optimizer, "hvdp_schedule", None)
+    payload = {
+        "hvdp": ckpt.make_meta(framework="torch", step=global_step, epoch=epoch, world_size=hvd.size(),
+                               model_fingerprint=_fingerprint(model)),
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "position": {"epoch": int(epoch), "step": int(step),
+                     "optimizer_steps": schedule.step if schedule else 0},
+        "rng": rng,
+        "extra": extra,
+    }
+    path = Path(directory) / ckpt.checkpoint_name(global_step, "pt")
+    try:
+        ckpt.write_atomic(path, lambda f: torch.save(payload, f))
+        ckpt.prune(directory, keep)
+    finally:
+        hvd.barrier()
+    return path
+
+
+def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    loader: torch.utils.data.DataLoader | None = None) -> dict | None:
+    """Restore the newest checkpoint in `directory` on every rank; None (and nothing changed) if there is none.
+
+    Rank 0 reads the file with torch.load(weights_only=True) and broadcasts it; a corrupt, truncated or
+    foreign file raises CheckpointError naming it, on every rank. With `loader`, its data order resumes at
+    the saved epoch and step. Returns {"epoch", "step", "global_step", **extra}.
+    """
+    result: dict = {}
+    if hvd.rank() == 0:
+        path = ckpt.latest_checkpoint(directory)
+        try:
+            result = {"payload": _read(path, model)} if path else {}
+        except CheckpointError as e:
+            result = {"error": str(e)}
+    result = hvd.broadcast_object(result, root_rank=0, name="hvdp.load_checkpoint")
+    if "error" in result:
+        raise CheckpointError(result["error"], rank=hvd.rank())
+    if "payload" not in result:
+        return None
+    payload = result["payload"]
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    position = payload["position"]
+    schedule = getattr(optimizer, "hvdp_schedule", None)
+    if schedule is not None:
+        schedule.step = position["optimizer_steps"]
+    if payload["hvdp"]["world_size"] == hvd.size():
+        _set_rng_state(payload["rng"][hvd.rank()])
+    if loader is not None:
+        if payload["hvdp"]["world_size"] != hvd.size() and position["step"]:
+            raise CheckpointError(
+                f"the checkpoint was taken mid-epoch with {payload['hvdp']['world_size']} ranks and this job "
+                f"has {hvd.size()}: its data position cannot be resharded exactly; resume with "
+                f"{payload['hvdp']['world_size']} ranks, or from an end-of-epoch checkpoint", rank=hvd.rank())
+        loader.batch_sampler.set_position(position["epoch"], position["step"])
+    return {"epoch": position["epoch"], "step": position["step"], "global_step": payload["hvdp"]["step"],
+            **payload["extra"]}
+
+
+def _read(path: Path, model: torch.nn.Module) -> dict:
+    try:
+        data = path.read_bytes()
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}. The file is corrupt, "
+                              f"truncated or not a PyTorch checkpoint; delete it to resume from an older one")
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path} is not an hvdp checkpoint")
+    ckpt.check_meta(payload.get("hvdp"), path, framework="torch", model_fingerprint=_fingerprint(model))
+    return payload
+
+
+__all__ = ["init", "world", "prepare", "broadcast", "current_lr", "shard", "ShardSampler", "average",
+           "evaluate", "log", "progress", "check_consistency", "check_finite", "save_checkpoint",
+           "load_checkpoint", "HvdpError"]

@@ -1,0 +1,35 @@
+"""A tiny registry for checks that run inside a launched job (see tests/launch.py:run_checks).
+
+A worker script defines checks with @check, then calls main(allgather_object, rank). Every rank runs
+every check; the results of all ranks are gathered, and rank 0 writes them to the JSON file named on the
+command line, so pytest asserts each check separately and one failure does not hide the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+CHECKS: dict = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def main(allgather_object, rank: int) -> None:
+    out, tmp = Path(sys.argv[1]), Path(sys.argv[2])
+    results = {}
+    for name, fn in CHECKS.items():
+        try:
+            fn(tmp)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc(limit=6)
+    gathered = allgather_object(results)
+    if rank == 0:
+        merged = {name: {str(r): res[name] for r, res in enumerate(gathered)} for name in CHECKS}
+        out.write_text(json.dumps(merged, indent=1))

@@ -1,0 +1,95 @@
+import numpy as np
+import pytest
+
+from hvdp.core.errors import ConfigError
+from hvdp.core.sharding import ShardPlan, epoch_order, eval_bounds
+
+
+def plans(n, b, size, **kw):
+    return [ShardPlan(n=n, batch_size=b, rank=r, size=size, **kw) for r in range(size)]
+
+
+def test_order_depends_only_on_seed_and_epoch():
+    np.random.seed(123)  # the global RNG must not matter
+    a = epoch_order(100, seed=7, epoch=3)
+    np.random.seed(999)
+    b = epoch_order(100, seed=7, epoch=3)
+    assert np.array_equal(a, b)
+    assert sorted(a.tolist()) == list(range(100))
+    assert not np.array_equal(a, epoch_order(100, seed=7, epoch=4))
+    assert not np.array_equal(a, epoch_order(100, seed=8, epoch=3))
+
+
+@pytest.mark.parametrize("n,b,size,drop_last", [
+    (96, 8, 4, False), (100, 8, 4, False), (100, 8, 4, True), (97, 5, 3, False), (1797, 32, 2, False),
+    (10, 3, 3, True),
+])
+def test_ranks_disjoint_and_covering(n, b, size, drop_last):
+    ps = plans(n, b, size, seed=1, drop_last=drop_last)
+    steps = {p.steps_per_epoch for p in ps}
+    assert len(steps) == 1, "every rank must run the same number of steps (or the job hangs)"
+    seen = [np.concatenate(list(p.batches(epoch=0))) for p in ps]
+    union = np.concatenate(seen)
+    assert len(union) == len(set(union.tolist())), "a sample was seen by two ranks"
+    if drop_last:
+        assert len(union) == (n // (b * size)) * b * size
+    else:
+        assert sorted(union.tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("n,b,size", [(96, 8, 4), (64, 4, 2), (100, 8, 4), (1797, 32, 2)])
+def test_each_step_equals_one_big_batch(n, b, size):
+    """At every step, N ranks with batch b see exactly what one process with batch N*b sees."""
+    big = ShardPlan(n=n, batch_size=b * size, seed=5)
+    small = plans(n, b, size, seed=5)
+    assert big.steps_per_epoch == small[0].steps_per_epoch
+    for epoch in range(2):
+        for step in range(big.steps_per_epoch):
+            joined = np.concatenate([p.batch(epoch, step) for p in small])
+            assert np.array_equal(joined, big.batch(epoch, step))
+
+
+def test_reshuffles_every_epoch():
+    p = ShardPlan(n=64, batch_size=8, rank=0, size=2, seed=0)
+    e0 = np.concatenate(list(p.batches(0)))
+    e1 = np.concatenate(list(p.batches(1)))
+    assert not np.array_equal(e0, e1)
+
+
+def test_no_shuffle_is_sequential():
+    p = ShardPlan(n=8, batch_size=2, rank=1, size=2, shuffle=False)
+    assert [b.tolist() for b in p.batches(0)] == [[2, 3], [6, 7]]
+
+
+def test_resume_mid_epoch():
+    p = ShardPlan(n=64, batch_size=4, rank=1, size=2, seed=3)
+    full = list(p.batches(2))
+    assert [b.tolist() for b in p.batches(2, start_step=3)] == [b.tolist() for b in full[3:]]
+
+
+def test_tail_smaller_than_world_is_topped_up():
+    # 9 samples, 2 ranks x 4: step 0 takes 8, the last global batch holds 1 sample for 2 ranks.
+    ps = plans(9, 4, 2, seed=0)
+    last = [p.batch(0, 1) for p in ps]
+    assert all(len(b) == 1 for b in last), "no rank may get an empty batch"
+    all_seen = np.concatenate([np.concatenate(list(p.batches(0))) for p in ps])
+    assert sorted(set(all_seen.tolist())) == list(range(9))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(n=1, batch_size=1, rank=0, size=2), "1 samples but the job has 2 ranks"),
+    (dict(n=10, batch_size=6, rank=0, size=2), r"batch_size \(6\) is larger than each rank's shard"),
+    (dict(n=10, batch_size=0), "batch_size must be >= 1"),
+])
+def test_bad_plans_are_clear_errors(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        ShardPlan(**kw)
+
+
+@pytest.mark.parametrize("n,size", [(10, 3), (360, 2), (359, 4), (2, 4), (0, 2), (1797, 7)])
+def test_eval_bounds_count_every_sample_once(n, size):
+    bounds = [eval_bounds(n, r, size) for r in range(size)]
+    covered = [i for lo, hi in bounds for i in range(lo, hi)]
+    assert covered == list(range(n))
+    lengths = [hi - lo for lo, hi in bounds]
+    assert max(lengths) - min(lengths) <= 1

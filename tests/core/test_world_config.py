@@ -1,0 +1,63 @@
+import argparse
+
+import pytest
+
+from hvdp import TrainConfig, World
+from hvdp.core.errors import ConfigError, HvdpError
+from hvdp.core.world import detect_launcher
+
+
+def test_plain_python_is_size_one():
+    assert World.from_env({}) == World(rank=0, size=1, local_rank=0, local_size=1)
+    assert detect_launcher({}) == "python (single process)"
+
+
+@pytest.mark.parametrize("env,world,launcher", [
+    ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"},
+     World(rank=1, size=4, local_rank=1, local_size=2), "horovodrun (gloo)"),
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, World(rank=3, size=8, local_rank=3, local_size=4), "mpirun (OpenMPI)"),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"},
+     World(rank=2, size=4, local_rank=0, local_size=1), "slurm (srun)"),
+])
+def test_world_from_launcher_env(env, world, launcher):
+    assert World.from_env(env) == world
+    assert detect_launcher(env) == launcher
+    assert World.from_env(env).is_main == (world.rank == 0)
+
+
+@pytest.mark.parametrize("kw", [dict(rank=2, size=2), dict(rank=0, size=0), dict(local_rank=1, local_size=1)])
+def test_world_rejects_impossible(kw):
+    with pytest.raises(ConfigError):
+        World(**kw)
+
+
+def test_config_flags_round_trip():
+    parser = TrainConfig.add_arguments(argparse.ArgumentParser(), epochs=7)
+    args = parser.parse_args(["--batch-size", "16", "--lr-scaling", "sqrt", "--adasum", "--lr", "0.2"])
+    cfg = TrainConfig.from_args(args)
+    assert (cfg.epochs, cfg.batch_size, cfg.lr_scaling, cfg.lr, cfg.op) == (7, 16, "sqrt", 0.2, "adasum")
+
+
+def test_config_rejects_unknown_choice_at_parse_time(capsys):
+    parser = TrainConfig.add_arguments(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--compression", "zip"])
+    assert "invalid choice: 'zip'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+    (dict(lr=-1.0), "lr must be > 0"),
+    (dict(lr_scaling="cubic"), "lr_scaling='cubic' is not one of linear, sqrt, none"),
+    (dict(accumulate=0), "accumulate must be"),
+    (dict(warmup_epochs=-2), "warmup_epochs must be >= 0"),
+])
+def test_config_validation_names_the_value(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig(**kw)
+
+
+def test_errors_name_the_rank():
+    assert str(HvdpError("boom", rank=3)) == "[rank 3] boom"
+    assert isinstance(ConfigError("x"), ValueError)

@@ -1,0 +1,56 @@
+"""Helpers to run a script under a real launcher from pytest, and to collect per-check results from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+HOROVODRUN = str(BIN / "horovodrun")
+
+
+def env(**extra: str) -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "examples"), e.get("PYTHONPATH", "")])
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e["PYTHONUNBUFFERED"] = "1"
+    e.update(extra)
+    return e
+
+
+def launcher_cmd(launcher: str, np: int = 2) -> list[str]:
+    """The command prefix for `launcher`: 'mpi' / 'gloo' (horovodrun), 'mpirun', or 'python'."""
+    if launcher == "python":
+        return [sys.executable]
+    if launcher == "mpirun":
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np), "-x", "PYTHONPATH",
+                "-x", "OMP_NUM_THREADS", "-x", "PYTHONUNBUFFERED", sys.executable]
+    cmd = [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}"]
+    return cmd + (["--gloo"] if launcher == "gloo" else ["--mpi"]) + [sys.executable]
+
+
+def run(launcher: str, script: str | Path, *args: str, np: int = 2, timeout: float = 600,
+        extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = launcher_cmd(launcher, np) + [str(script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env(**(extra_env or {})))
+
+
+def result_line(output: str, prefix: str = "result: ") -> dict:
+    lines = [line for line in output.splitlines() if line.startswith(prefix)]
+    assert lines, f"no '{prefix}' line in output:\n{output[-3000:]}"
+    return json.loads(lines[-1][len(prefix):])
+
+
+def run_checks(launcher: str, worker: Path, tmp: Path, np: int = 2, timeout: float = 900) -> dict:
+    """Launch `worker` once; it runs all its checks and writes {check: {rank: 'ok' | error}} to a JSON file."""
+    out = tmp / f"checks-{launcher}.json"
+    proc = run(launcher, worker, str(out), str(tmp), np=np, timeout=timeout)
+    if not out.exists():
+        raise AssertionError(f"{worker.name} under {launcher} wrote no results (exit {proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
