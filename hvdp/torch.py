@@ -89,6 +89,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
         raise ConfigError(f"warmup_steps must be >= 0, got {warmup_steps}")
     if not hvd.is_initialized():
         init()
+    if op == "adasum" and hvd.size() > 1 and not hvd.mpi_enabled():
+        raise ConfigError("op='adasum' needs Horovod's MPI controller, and this job runs on Gloo: launch "
+                          "with `horovodrun` without --gloo (or mpirun), or use op='average'", rank=hvd.rank())
     if sync_batchnorm:
         _convert_sync_batchnorm(model)
     multiplier = lr_multiplier(lr_scaling, hvd.size(), backward_passes_per_step=backward_passes_per_step, op=op)
@@ -158,16 +161,51 @@ def broadcast(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = 
     if optimizer.state_dict()["state"]:
         hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    for group, values in zip(optimizer.param_groups, hvd.broadcast_object(hyper, root_rank=root_rank)):
+    for group, values in zip(optimizer.param_groups, hvd.broadcast_object(hyper, root_rank=root_rank, name="hvdp.hyper")):
         group.update(values)
 
 
+class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
+    """Batch normalisation whose training statistics are those of the global batch (all ranks together).
+
+    Works on CPU and GPU (Horovod's own SyncBatchNorm is GPU-only). One all-reduce of (sum, sum of
+    squares, count) per call; gradients flow back through it. In eval mode it is plain BatchNorm.
+    """
+
+    def _check_input_dim(self, x):
+        if x.dim() < 2:
+            raise ValueError(f"SyncBatchNorm expects (N, C, ...) input, got shape {tuple(x.shape)}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or not hvd.is_initialized() or hvd.size() == 1:
+            return super().forward(x)
+        self._check_input_dim(x)
+        channels = x.size(1)
+        dims = [0, *range(2, x.dim())]
+        count = torch.tensor([x.numel() // channels], dtype=x.dtype)
+        stats = hvd.allreduce(torch.cat([x.sum(dims), (x * x).sum(dims), count]), op=hvd.Sum)
+        n = stats[-1]
+        mean = stats[:channels] / n
+        var = stats[channels:2 * channels] / n - mean * mean
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
+                self.running_var.mul_(1 - m).add_(var.detach() * n / max(float(n) - 1, 1.0), alpha=m)
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y
+
+
 def _convert_sync_batchnorm(module: torch.nn.Module) -> None:
-    """Replace BatchNorm layers in place by Horovod's SyncBatchNorm, sharing parameters and buffers."""
+    """Replace BatchNorm layers in place by SyncBatchNorm, sharing parameters and buffers."""
     for name, child in module.named_children():
-        if isinstance(child, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(child, hvd.SyncBatchNorm):
-            sync = hvd.SyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
-                                     child.track_running_stats)
+        if isinstance(child, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(child, SyncBatchNorm):
+            sync = SyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
+                                 child.track_running_stats)
             if child.affine:
                 sync.weight, sync.bias = child.weight, child.bias
             if child.track_running_stats:
@@ -213,6 +251,9 @@ def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool =
     w = world() if hvd.is_initialized() else init()
     plan = ShardPlan(n=len(dataset), batch_size=batch_size, rank=w.rank, size=w.size, seed=seed,
                      shuffle=shuffle, drop_last=drop_last)
+    # Its own generator: a DataLoader otherwise draws from the global RNG at every epoch start, which
+    # would make a resumed run's dropout masks differ from an uninterrupted one's.
+    loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed + w.rank))
     return torch.utils.data.DataLoader(dataset, batch_sampler=ShardSampler(plan), **loader_kwargs)
 
 
@@ -276,7 +317,7 @@ def check_consistency(model: torch.nn.Module) -> None:
     one and the ranks that differ from rank 0. Compares exact bytes, so it catches the smallest drift."""
     digest = [(name, tuple(t.shape), hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest())
               for name, t in model.state_dict().items()]
-    gathered = hvd.allgather_object(digest)
+    gathered = hvd.allgather_object(digest, name="hvdp.consistency")
     reference = gathered[0]
     for rank, other in enumerate(gathered[1:], start=1):
         if [(n, s) for n, s, _ in other] != [(n, s) for n, s, _ in reference]:
@@ -321,7 +362,7 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
     names the file. `extra` holds plain values (numbers, strings, lists, dicts, tensors).
     Returns the path on rank 0, None elsewhere.
     """
-    rng = hvd.allgather_object(_rng_state())  # every rank's RNG, so a resumed run continues exactly
+    rng = hvd.allgather_object(_rng_state(), name="hvdp.rng")  # every rank's RNG, so a resumed run continues exactly
     if hvd.rank() != 0:
         hvd.barrier()
         return None
@@ -399,5 +440,5 @@ def _read(path: Path, model: torch.nn.Module) -> dict:
 
 
 __all__ = ["init", "world", "prepare", "broadcast", "current_lr", "shard", "ShardSampler", "average",
-           "evaluate", "log", "progress", "check_consistency", "check_finite", "save_checkpoint",
+           "evaluate", "log", "progress", "SyncBatchNorm", "check_consistency", "check_finite", "save_checkpoint",
            "load_checkpoint", "HvdpError"]

@@ -24,6 +24,7 @@ def main(allgather_object, rank: int) -> None:
     out, tmp = Path(sys.argv[1]), Path(sys.argv[2])
     results = {}
     for name, fn in CHECKS.items():
+        print(f"[rank {rank}] check {name}", file=sys.stderr, flush=True)
         try:
             fn(tmp)
             results[name] = "ok"

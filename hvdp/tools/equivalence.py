@@ -83,6 +83,6 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
             ref_opt.zero_grad()
         diff = max(float((a - b).abs().max()) for a, b in zip(model.state_dict().values(),
                                                               reference.state_dict().values()))
-    diff = ht.hvd.broadcast_object(diff, root_rank=0)
+    diff = ht.hvd.broadcast_object(diff, root_rank=0, name="hvdp.verify.diff")
     return {"rank": world.rank, "size": world.size, "framework": "torch", "optimizer": optimizer,
             "steps": steps, "accumulate": accumulate, "max_abs_diff": diff, "replicas_identical": identical}

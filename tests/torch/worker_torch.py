@@ -1,0 +1,342 @@
+"""Checks of hvdp.torch that need a real job; run under horovodrun by tests/torch/test_torch.py.
+
+Every assertion holds at any world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import hvdp.torch as ht  # noqa: E402
+from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, NonFiniteLossError  # noqa: E402
+from hvdp.tools import equivalence  # noqa: E402
+from tests.checks import check, main  # noqa: E402
+
+world = ht.init()
+hvd = ht.hvd
+
+
+def expect(error, fn, match: str):
+    try:
+        fn()
+    except error as e:
+        assert match in str(e), f"{type(e).__name__} message {str(e)!r} lacks {match!r}"
+        return e
+    raise AssertionError(f"expected {error.__name__} ({match!r}), nothing was raised")
+
+
+# ------------------------------------------------------------------------------------------ equivalence
+
+def _equivalent(optimizer, accumulate):
+    r = equivalence.run("torch", optimizer=optimizer, steps=4, batch_size=8, accumulate=accumulate,
+                        lr=0.02, seed=3)
+    assert r["size"] == world.size
+    assert r["replicas_identical"], r
+    assert r["max_abs_diff"] <= 1e-5, r
+
+
+@check
+def equivalence_sgd_momentum(tmp):
+    _equivalent("sgd", 1)
+
+
+@check
+def equivalence_adam(tmp):
+    _equivalent("adam", 1)
+
+
+@check
+def equivalence_sgd_accumulate(tmp):
+    _equivalent("sgd", 3)
+
+
+@check
+def equivalence_adam_accumulate(tmp):
+    _equivalent("adam", 2)
+
+
+# ----------------------------------------------------------------------------------------- replicas
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                               torch.nn.Linear(16, 3))
+
+
+def _data(n=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+@check
+def replicas_bit_identical_after_every_step(tmp):
+    model = _model(seed=world.rank)  # rank-dependent init: prepare's broadcast must fix it
+    opt = ht.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    ht.check_consistency(model)
+    torch.manual_seed(100 + world.rank)  # rank-dependent dropout masks, as in real jobs
+    for x, y in ht.shard(_data(), batch_size=8):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        ht.check_consistency(model)
+
+
+@check
+def divergence_is_named(tmp):
+    model = _model(seed=0)
+    if world.rank == world.size - 1 and world.size > 1:
+        with torch.no_grad():
+            model[3].bias[0] += 1e-6
+    if world.size > 1:
+        e = expect(DivergenceError, lambda: ht.check_consistency(model), "'3.bias' differs from rank 0")
+        assert f"rank(s) [{world.size - 1}]" in str(e)
+    wrong = torch.nn.Linear(6, 4 if world.rank == 0 else 5)
+    if world.size > 1:
+        expect(DivergenceError, lambda: ht.check_consistency(wrong), "different model than rank 0")
+
+
+# -------------------------------------------------------------------------------------------- sharding
+
+@check
+def shards_disjoint_covering_reshuffled(tmp):
+    n = 101
+    torch.manual_seed(world.rank)  # a rank-dependent global seed must not change the order
+    np.random.seed(world.rank)
+    loader = ht.shard(torch.utils.data.TensorDataset(torch.arange(n)), batch_size=7, seed=11)
+    epochs = []
+    for _ in range(3):  # no set_epoch: the loader moves on by itself
+        mine = torch.cat([b[0] for b in loader]).tolist()
+        everyone = hvd.allgather_object(mine, name="shard.check")
+        flat = [i for part in everyone for i in part]
+        assert sorted(flat) == list(range(n)), "ranks must cover the dataset exactly once"
+        assert len(set(map(len, everyone))) <= 2
+        epochs.append(flat)
+    assert epochs[0] != epochs[1] != epochs[2], "the order must change every epoch"
+    assert len(loader) == -(-n // (7 * world.size))
+
+
+# ------------------------------------------------------------------------------------------ LR scaling
+
+@check
+def lr_scaled_and_warmed_up(tmp):
+    w = torch.nn.Parameter(torch.zeros(1))
+    model = torch.nn.Module()
+    model.w = w
+    opt = ht.prepare(model, torch.optim.SGD([w], lr=0.1), warmup_steps=4)
+    assert opt.param_groups[0]["lr"] == 0.1 * world.size
+    used = []
+    for _ in range(6):
+        opt.zero_grad()
+        before = float(w.detach())
+        (w * 1.0).sum().backward()  # gradient 1 on every rank -> averaged gradient 1
+        lr_expected = ht.current_lr(opt)
+        opt.step()
+        used.append(before - float(w.detach()))  # SGD: delta = lr * grad
+        assert abs(used[-1] - lr_expected) < 1e-6, (used, lr_expected)
+    assert abs(used[0] - 0.1) < 1e-6, "warmup starts at the base rate"
+    assert abs(used[-1] - 0.1 * world.size) < 1e-6, "and ends at the scaled rate"
+    assert used == sorted(used)
+    assert opt.param_groups[0]["lr"] == 0.1 * world.size, "the group lr is left at the scaled value"
+
+
+@check
+def gradient_clipping_pattern(tmp):
+    model = _model(seed=1)
+    opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    x, y = _data()[world.rank * 8:(world.rank + 1) * 8]
+    (F.cross_entropy(model(x), y) * 1000).backward()
+    opt.synchronize()  # gradients all-reduced here...
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert float(norm) > 1.0
+    with opt.skip_synchronize():  # ...so step must not reduce them again
+        opt.step()
+    total = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
+    assert float(total) <= 1.0 + 1e-5
+    ht.check_consistency(model)
+
+
+@check
+def fp16_compression_and_adasum_train(tmp):
+    variants = [{"compression": "fp16"}, {"op": "adasum"}]
+    if world.size > 1 and not hvd.mpi_enabled():  # Horovod implements Adasum on MPI only
+        model = _model(seed=0)
+        expect(ConfigError, lambda: ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), op="adasum"),
+               "needs Horovod's MPI controller")
+        variants.pop()
+    for kw in variants:
+        model = _model(seed=world.rank)
+        opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05), **kw)
+        losses = []
+        for _ in range(3):
+            for x, y in ht.shard(_data(), batch_size=8, seed=2):
+                opt.zero_grad()
+                loss = F.cross_entropy(model.eval()(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss))
+        ht.check_consistency(model)
+        assert np.mean(losses[-4:]) < np.mean(losses[:4]), (kw, losses)
+
+
+@check
+def sync_batchnorm_uses_global_statistics(tmp):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_batchnorm=True)
+    assert type(model[1]).__name__ == "SyncBatchNorm"
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(8 * world.size, 4, generator=g) * 3 + 1
+    mine = full[world.rank * 8:(world.rank + 1) * 8]
+    model.train()
+    out = model(mine)
+    out.sum().backward()  # gradients flow through the all-reduce
+    assert model[0].weight.grad is not None
+    reference = copy.deepcopy(model[0])
+    bn = torch.nn.BatchNorm1d(4)
+    bn.train()
+    with torch.no_grad():
+        bn(reference(full))
+    assert torch.allclose(model[1].running_mean, bn.running_mean, atol=1e-5)
+    assert torch.allclose(model[1].running_var, bn.running_var, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------- evaluation
+
+@check
+def evaluate_counts_every_sample_once(tmp):
+    model = _model(seed=0).eval()
+    for n in (1, 7, 33, 2 * world.size + 1):
+        data = _data(n=n, seed=n)
+        m = ht.evaluate(model, data, batch_size=4)
+        assert m["samples"] == n, m
+        x, y = data.tensors
+        with torch.no_grad():
+            out = model(x)
+        assert abs(m["accuracy"] - float((out.argmax(1) == y).double().mean())) < 1e-9
+        assert abs(m["loss"] - float(F.cross_entropy(out.double(), y))) < 1e-6
+
+
+@check
+def average_and_nonfinite(tmp):
+    assert abs(ht.average(world.rank) - (world.size - 1) / 2) < 1e-12
+    ht.check_finite(torch.tensor(1.0), step=3)
+    bad = torch.tensor(float("nan") if world.rank == world.size - 1 else 0.5)
+    e = expect(NonFiniteLossError, lambda: ht.check_finite(bad, step=7), "not finite at step 7")
+    assert f"rank(s) [{world.size - 1}]" in str(e)
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+
+def _train(model, opt, loader, epochs, directory=None, start=(0, 0), global_step=0):
+    for epoch in range(start[0], epochs):
+        for step, (x, y) in enumerate(loader, start[1] if epoch == start[0] else 0):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            global_step += 1
+            if directory and step == 2:  # a mid-epoch checkpoint
+                ht.save_checkpoint(directory, model, opt, epoch=epoch, step=step + 1, global_step=global_step)
+        if directory:
+            ht.save_checkpoint(directory, model, opt, epoch=epoch + 1, step=0, global_step=global_step)
+    return global_step
+
+
+def _fresh(seed):
+    model = _model(seed)
+    opt = ht.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01), warmup_steps=5)
+    return model, opt, ht.shard(_data(), batch_size=8, seed=4)
+
+
+@check
+def checkpoint_resume_is_bit_identical(tmp):
+    d = hvd.broadcast_object(str(tmp / "ckpt-resume"), name="ckpt.dir")
+    torch.manual_seed(50 + world.rank)
+    model, opt, loader = _fresh(0)
+    _train(model, opt, loader, epochs=3)
+    uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
+
+    for stop_epoch, stop_at_mid in ((1, False), (2, True)):
+        directory = Path(d) / f"{stop_epoch}-{stop_at_mid}"
+        torch.manual_seed(50 + world.rank)
+        model, opt, loader = _fresh(0)
+        _train(model, opt, loader, epochs=stop_epoch, directory=directory)
+        if stop_at_mid:  # drop the end-of-epoch checkpoint: resume from the mid-epoch one
+            if world.rank == 0:
+                sorted(directory.glob("ckpt-*.pt"))[-1].unlink()
+            hvd.barrier()
+        torch.manual_seed(999)  # the "restarted process" has another RNG state and other weights
+        model, opt, loader = _fresh(seed=7 + world.rank)
+        state = ht.load_checkpoint(directory, model, opt, loader)
+        assert state is not None and state["step"] == (3 if stop_at_mid else 0), state
+        _train(model, opt, loader, epochs=3, start=(state["epoch"], state["step"]),
+               global_step=state["global_step"])
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, uninterrupted[k]), f"{k} differs after resume at {stop_epoch}/{stop_at_mid}"
+
+
+@check
+def checkpoint_keeps_last_k_and_none_is_fine(tmp):
+    d = Path(hvd.broadcast_object(str(tmp / "ckpt-keep"), name="ckpt.dir2"))
+    model, opt, loader = _fresh(0)
+    assert ht.load_checkpoint(d, model, opt, loader) is None
+    for step in range(5):
+        ht.save_checkpoint(d, model, opt, epoch=0, step=step, global_step=step, keep=2)
+    if world.rank == 0:
+        assert [p.name for p in sorted(d.glob("*.pt"))] == ["ckpt-00000003.pt", "ckpt-00000004.pt"]
+        assert not list(d.glob(".*tmp"))
+
+
+@check
+def corrupt_truncated_foreign_checkpoints_refused_untouched(tmp):
+    base = Path(hvd.broadcast_object(str(tmp / "ckpt-bad"), name="ckpt.dir3"))
+    model, opt, loader = _fresh(0)
+    ht.save_checkpoint(base / "good", model, opt, epoch=1, step=0, global_step=9)
+    good = (base / "good" / "ckpt-00000009.pt")
+    cases = {"garbage": lambda b: b"this is not a checkpoint" * 10, "truncated": lambda b: b[: len(b) // 2]}
+    for name, mangle in cases.items():
+        path = base / name / "ckpt-00000009.pt"
+        if world.rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(mangle(good.read_bytes()))
+        hvd.barrier()
+        before = path.read_bytes() if world.rank == 0 else None
+        expect(CheckpointError, lambda: ht.load_checkpoint(path.parent, model, opt), str(path))
+        if world.rank == 0:
+            assert path.read_bytes() == before, "a refused checkpoint must be left untouched"
+    other = torch.nn.Linear(6, 3)
+    other_opt = ht.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    expect(CheckpointError, lambda: ht.load_checkpoint(base / "good", other, other_opt), "different model")
+    plain = base / "plain" / "ckpt-00000001.pt"
+    if world.rank == 0:
+        plain.parent.mkdir(exist_ok=True)
+        torch.save(model.state_dict(), plain)  # a torch file, but not hvdp's
+    hvd.barrier()
+    expect(CheckpointError, lambda: ht.load_checkpoint(plain.parent, model, opt), "not an hvdp checkpoint")
+
+
+@check
+def checkpoint_refuses_pickled_code(tmp):
+    path = Path(hvd.broadcast_object(str(tmp / "ckpt-evil"), name="ckpt.dir4")) / "ckpt-00000001.pt"
+    if world.rank == 0:
+        path.parent.mkdir(exist_ok=True)
+        torch.save({"hvdp": {"format": "x"}, "payload": Evil()}, path)
+    hvd.barrier()
+    model, opt, _ = _fresh(0)
+    expect(CheckpointError, lambda: ht.load_checkpoint(path.parent, model, opt), "cannot read checkpoint")
+    assert not (tmp / "pwned").exists()
+
+
+class Evil:
+    def __reduce__(self):
+        return (Path.touch, (Path(sys.argv[2]) / "pwned",))
+
+
+if __name__ == "__main__":
+    main(lambda obj: hvd.allgather_object(obj, name="checks.results"), world.rank)
