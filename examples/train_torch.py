@@ -36,7 +36,7 @@ class Net(nn.Module):
 
 
 def main() -> None:
-    cfg = parse_config(__doc__.splitlines()[0], epochs=12, batch_size=32, lr=0.02, warmup_epochs=1.0)
+    cfg = parse_config(__doc__.splitlines()[0], epochs=12, batch_size=32, lr=0.03, warmup_epochs=1.0)
     world = hvdp_torch.init(timeline=cfg.timeline)  # hvdp: rank, size; plain python is size 1
     torch.manual_seed(cfg.seed)
 
@@ -51,10 +51,13 @@ def main() -> None:
     optimizer = hvdp_torch.prepare(  # hvdp: scale LR, all-reduce gradients, broadcast rank 0's state
         model, optimizer, lr_scaling=cfg.lr_scaling, warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
         compression=cfg.compression, op=cfg.op, backward_passes_per_step=cfg.accumulate)
+    # Any torch scheduler composes with hvdp's warmup: it schedules the scaled rate.
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs * steps_per_epoch)
     resumed = hvdp_torch.load_checkpoint(cfg.checkpoint_dir, model, optimizer, loader)  # hvdp: resume
     start_epoch, start_step = (resumed["epoch"], resumed["step"]) if resumed else (0, 0)
     global_step = resumed["global_step"] if resumed else 0
     if resumed:
+        scheduler.load_state_dict(resumed["scheduler"])
         hvdp_torch.log(f"resumed from epoch {start_epoch} step {start_step} (optimizer step {global_step})")
 
     writer = None
@@ -76,8 +79,9 @@ def main() -> None:
             if (step + 1) % cfg.accumulate == 0 or step + 1 == len(loader):
                 optimizer.step()
                 optimizer.zero_grad()
+                scheduler.step()
                 global_step += 1
-            epoch_loss, batches, samples = epoch_loss + float(loss), batches + 1, samples + len(y)
+            epoch_loss, batches, samples = epoch_loss + loss.item(), batches + 1, samples + len(y)
         train_loss = hvdp_torch.average(epoch_loss / max(batches, 1))  # hvdp: mean over ranks
         metrics = hvdp_torch.evaluate(model, test_set)  # hvdp: every test sample counted once
         elapsed = time.perf_counter() - started
@@ -90,7 +94,8 @@ def main() -> None:
                 writer.add_scalar(name, value, epoch)
         if cfg.checkpoint_dir:  # hvdp: rank 0 writes atomically, every rank calls
             hvdp_torch.save_checkpoint(cfg.checkpoint_dir, model, optimizer, epoch=epoch + 1, step=0,
-                                       global_step=global_step, keep=cfg.keep_checkpoints)
+                                       global_step=global_step, keep=cfg.keep_checkpoints,
+                                       scheduler=scheduler.state_dict())
     seconds = time.perf_counter() - started
 
     hvdp_torch.check_consistency(model)  # hvdp: raises, naming rank and parameter, if replicas diverged

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
 from hvdp.core.scaling import lr_multiplier, warmup_factor
 from hvdp.core.sharding import ShardPlan, eval_bounds
-from hvdp.core.world import World
+from hvdp.core.world import World, threads_per_rank
 
 hvd = _horovod.import_horovod("torch")
 
@@ -43,8 +44,13 @@ def init(*, timeline: str | None = None) -> World:
     """Initialise Horovod (horovodrun, mpirun, or plain python as size 1) and return this process's World.
 
     `timeline`: write Horovod's timeline (Chrome trace of every collective) to this path.
+    Unless OMP_NUM_THREADS is set, each rank gets an equal share of the host's cores for torch's
+    intra-op threads (torch would otherwise start one thread per core in every rank).
     """
-    return _horovod.init("torch", timeline)[1]
+    w = _horovod.init("torch", timeline)[1]
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads_per_rank(os.cpu_count() or 1, w.local_size))
+    return w
 
 
 def world() -> World:

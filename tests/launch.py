@@ -41,9 +41,10 @@ def run(launcher: str, script: str | Path, *args: str, np: int = 2, timeout: flo
 
 
 def result_line(output: str, prefix: str = "result: ") -> dict:
-    lines = [line for line in output.splitlines() if line.startswith(prefix)]
-    assert lines, f"no '{prefix}' line in output:\n{output[-3000:]}"
-    return json.loads(lines[-1][len(prefix):])
+    """The JSON after the last `prefix` in the output (launchers may tag or glue lines together)."""
+    at = output.rfind(prefix)
+    assert at >= 0, f"no '{prefix}' in output:\n{output[-3000:]}"
+    return json.JSONDecoder().raw_decode(output[at + len(prefix):])[0]
 
 
 def run_checks(launcher: str, worker: Path, tmp: Path, np: int = 2, timeout: float = 900) -> dict:

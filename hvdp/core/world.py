@@ -68,3 +68,8 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
                 return "horovodrun (mpi)"
             return name
     return "python (single process)"
+
+
+def threads_per_rank(cpu_count: int, local_size: int) -> int:
+    """Intra-op threads for each rank so that the ranks on one host do not oversubscribe its cores."""
+    return max(1, cpu_count // max(1, local_size))
