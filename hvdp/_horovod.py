@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 
 from hvdp.core.errors import SetupError
+from hvdp.core.tuning import apply_runtime_defaults
 from hvdp.core.world import World, detect_launcher
 
 _FRAMEWORK_MODULES = {"torch": "horovod.torch", "tensorflow": "horovod.tensorflow"}
@@ -36,6 +37,7 @@ def init(framework: str, timeline: str | None = None):
             f"launched by {launcher}, but this Horovod was built without MPI: rebuild it with "
             f"HOROVOD_WITH_MPI=1 (`make setup` does) or launch with `horovodrun --gloo`")
     if not hvd.is_initialized():
+        apply_runtime_defaults()  # before MPI_Init / Horovod's background thread read them
         hvd.init()
     if timeline:
         hvd.start_timeline(timeline, mark_cycles=False)

@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "doctor": ("hvdp.tools.doctor", "explain the installed stack, the launcher, and what to fix"),
     "verify": ("hvdp.tools.verify", "prove on this machine that N ranks x batch b == 1 process x batch N*b"),
+    "bench": ("hvdp.tools.bench", "measure training throughput and allreduce bandwidth vs DDP and Horovod"),
 }
 
 

@@ -66,3 +66,13 @@ def test_errors_name_the_rank():
 @pytest.mark.parametrize("cpus,local,expected", [(2, 2, 1), (16, 4, 4), (2, 4, 1), (8, 1, 8), (3, 2, 1)])
 def test_threads_per_rank_never_oversubscribes(cpus, local, expected):
     assert threads_per_rank(cpus, local) == expected
+
+
+def test_runtime_defaults_never_override_the_user():
+    from hvdp.core.tuning import RUNTIME_DEFAULTS, apply_runtime_defaults
+    name = next(iter(RUNTIME_DEFAULTS))
+    env = {name: "user-choice"}
+    applied = apply_runtime_defaults(env)
+    assert env[name] == "user-choice" and name not in applied
+    fresh: dict = {}
+    assert apply_runtime_defaults(fresh) == RUNTIME_DEFAULTS == fresh

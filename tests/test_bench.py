@@ -1,0 +1,28 @@
+"""`hvdp bench --quick` runs end to end and writes the JSON other tools read and a PNG. No speed thresholds:
+the machines are shared and noisy; numbers are for the README's table, not for pass/fail."""
+
+import json
+import subprocess
+
+from tests.launch import BIN, ROOT, env
+
+
+def test_bench_quick_writes_json_and_png(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = subprocess.run([str(BIN / "hvdp"), "bench", "--quick", "--models", "cnn", "--json", str(out),
+                           "--plot", str(png)], capture_output=True, text=True, cwd=ROOT, env=env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    training = report["training"]
+    assert training["np"] == 2
+    assert set(training["samples_per_sec"]) >= {"hvdp", "ddp", "horovod"}
+    assert all(v > 0 for v in training["samples_per_sec"].values())
+    assert 0 < training["scaling_efficiency"] < 2
+    allreduce = report["allreduce"]
+    assert allreduce["memcpy_GBps"] > 0
+    impls = {r["impl"] for r in allreduce["results"]}
+    assert impls == {"hvdp-mpi", "hvdp-gloo", "torch-gloo", "mpi4py"}
+    assert {r["bytes"] for r in allreduce["results"]} >= {4096, 64 << 20}
+    assert all(r["busbw_GBps"] > 0 for r in allreduce["results"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "allreduce busbw" in proc.stdout and "hvdp / ddp" in proc.stdout
