@@ -24,7 +24,7 @@ def synthetic_data(n: int, input_shape: tuple[int, ...], classes: int, seed: int
 
 
 def run(framework: str, **kw) -> dict:
-    return {"torch": _torch}[framework](**kw)
+    return {"torch": _torch, "tensorflow": _tensorflow, "keras": _keras}[framework](**kw)
 
 
 def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
@@ -86,3 +86,117 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     diff = ht.hvd.broadcast_object(diff, root_rank=0, name="hvdp.verify.diff")
     return {"rank": world.rank, "size": world.size, "framework": "torch", "optimizer": optimizer,
             "steps": steps, "accumulate": accumulate, "max_abs_diff": diff, "replicas_identical": identical}
+
+
+def _keras_setup(framework: str, *, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float,
+                 seed: int, factory, input_shape: tuple[int, ...]):
+    """What the TensorFlow and Keras experiments share: rank-dependent model, data, rank 0's reference copy."""
+    import keras
+
+    import hvdp.tensorflow as htf
+
+    world = htf.init()
+
+    def build():
+        if factory is not None:
+            return factory()
+        return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
+                                 keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(4)])
+
+    def make_optimizer(rate):
+        if optimizer == "adam":
+            return keras.optimizers.Adam(rate)
+        return keras.optimizers.SGD(rate, momentum=0.9)
+
+    keras.utils.set_random_seed(seed + 1000 * world.rank + 1)  # deliberately different weights (and TF seed) per rank
+    model = build()
+    classes = int(model.output_shape[-1])
+    n = steps * accumulate * world.size * batch_size
+    x, y = synthetic_data(n, input_shape, classes, seed)
+    reference = None
+    if world.rank == 0:  # rank 0's initial weights are what every rank holds after the broadcast
+        reference = build()
+        reference.set_weights(model.get_weights())
+    multiplier = lr_multiplier("linear", world.size, backward_passes_per_step=accumulate)
+    return world, model, reference, make_optimizer, x, y, n, multiplier
+
+
+def _keras_result(framework, world, model, reference, x, y, n, *, batch_size, accumulate, optimizer, steps, seed,
+                  replay) -> dict:
+    import numpy as np_
+
+    import hvdp.tensorflow as htf
+    from hvdp.core.errors import DivergenceError
+
+    try:
+        htf.check_consistency(model)
+        identical = True
+    except DivergenceError:
+        identical = False
+    diff = None
+    if reference is not None:
+        plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed)
+        for idx in plan.batches(epoch=0):
+            replay(x[idx], y[idx])
+        diff = max(float(np_.max(np_.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights()))
+    diff = htf.hvd.broadcast_object(diff, root_rank=0, name="hvdp.verify.diff")
+    return {"rank": world.rank, "size": world.size, "framework": framework, "optimizer": optimizer,
+            "steps": steps, "accumulate": accumulate, "max_abs_diff": diff, "replicas_identical": identical}
+
+
+def _tensorflow(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
+                factory=None, input_shape: tuple[int, ...] = (20,)) -> dict:
+    """A tf.function custom loop: plain GradientTape + hvdp.tensorflow.DistributedOptimizer."""
+    import keras
+    import tensorflow as tf
+
+    import hvdp.tensorflow as htf
+
+    world, model, reference, make_optimizer, x, y, n, multiplier = _keras_setup(
+        "tensorflow", optimizer=optimizer, steps=steps, batch_size=batch_size, accumulate=accumulate, lr=lr,
+        seed=seed, factory=factory, input_shape=input_shape)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    dist = htf.DistributedOptimizer(make_optimizer(lr), backward_passes_per_step=accumulate)
+    htf.broadcast(model, dist)
+
+    @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        variables = model.trainable_variables
+        dist.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    for xb, yb in htf.shard((x, y), batch_size=batch_size, seed=seed):
+        train_step(xb, yb)
+
+    ref_opt = make_optimizer(lr * multiplier) if reference is not None else None
+
+    def replay(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, reference(xb, training=True))
+        ref_opt.apply_gradients(zip(tape.gradient(loss, reference.trainable_variables), reference.trainable_variables))
+
+    return _keras_result("tensorflow", world, model, reference, x, y, n, batch_size=batch_size,
+                         accumulate=accumulate, optimizer=optimizer, steps=steps, seed=seed, replay=replay)
+
+
+def _keras(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
+           factory=None, input_shape: tuple[int, ...] = (20,)) -> dict:
+    """Keras 3 model.fit with hvdp.keras's optimizer, shard and callbacks; the reference uses train_on_batch."""
+    import keras
+
+    import hvdp.keras as hk
+
+    world, model, reference, make_optimizer, x, y, n, multiplier = _keras_setup(
+        "keras", optimizer=optimizer, steps=steps, batch_size=batch_size, accumulate=accumulate, lr=lr,
+        seed=seed, factory=factory, input_shape=input_shape)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=hk.DistributedOptimizer(make_optimizer(lr), backward_passes_per_step=accumulate),
+                  loss=loss_fn)
+    data = hk.shard((x, y), batch_size=batch_size, seed=seed)
+    model.fit(data, epochs=1, verbose=0, callbacks=hk.callbacks(data=data))
+    if reference is not None:
+        reference.compile(optimizer=make_optimizer(lr * multiplier), loss=loss_fn)
+    return _keras_result("keras", world, model, reference, x, y, n, batch_size=batch_size, accumulate=accumulate,
+                         optimizer=optimizer, steps=steps, seed=seed,
+                         replay=lambda xb, yb: reference.train_on_batch(xb, yb))

@@ -1,0 +1,184 @@
+"""Keras 3 adapter for model.fit, built on hvdp.tensorflow (horovod.tensorflow.keras is not used: it does
+not work on Keras 3, horovod#4290, and Keras 3's trainer never calls the hooks where it averaged gradients).
+
+    import hvdp.keras as hvdp_keras
+    world = hvdp_keras.init()
+    model.compile(optimizer=hvdp_keras.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                                            warmup_steps=20),
+                  loss=..., metrics=["accuracy"])
+    train = hvdp_keras.shard((x, y), batch_size=32)          # this rank's batches, new order every epoch
+    model.fit(train, epochs=10, callbacks=hvdp_keras.callbacks(data=train, checkpoint_dir="ckpt"))
+
+The optimizer averages gradients inside the compiled train step (model.fit calls its apply()); the
+callbacks broadcast rank 0's initial state before the first step, make the data order follow fit's epoch,
+average the epoch metrics over ranks, write/resume checkpoints (rank 0, atomic) and keep the progress bar
+on rank 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hvdp import tensorflow as _tf
+from hvdp.core.errors import ConfigError, HvdpError
+from hvdp.core.world import World
+from hvdp.tensorflow import (  # noqa: F401  (the shared implementation, re-exported)
+    DistributedOptimizer,
+    ScaledSchedule,
+    average,
+    check_consistency,
+    evaluate,
+    hvd,
+    load_checkpoint,
+    log,
+    save_checkpoint,
+)
+
+
+def init(*, timeline: str | None = None) -> World:
+    """Initialise Horovod and return this process's World (see hvdp.tensorflow.init)."""
+    return _tf.init(timeline=timeline)
+
+
+def world() -> World:
+    return _tf.world()
+
+
+def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> tf.data.Dataset:
+    """A dataset of this rank's batches for model.fit; `batch_size` is per rank (do not pass one to fit).
+
+    The epoch order depends only on (seed, epoch), not on TensorFlow's global seed, so one process with
+    batch N*b sees at every step the union of what N ranks see with batch b. Pass the dataset to
+    callbacks(data=...) too: the order then follows fit's epoch number, so a resumed fit continues exactly.
+    """
+    dataset = _tf.shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    position = dataset.hvdp_position
+    # Keras needs the number of batches to show progress and to end each epoch.
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(position.plan.steps_per_epoch))
+    dataset.hvdp_position = position
+    return dataset
+
+
+class _RankZeroProgbar(keras.callbacks.ProgbarLogger):
+    """fit's progress bar, silent on every rank but 0 (fit adds its own only when the list has none)."""
+
+    def set_params(self, params):
+        super().set_params(params)
+        if hvd.rank() != 0:
+            self.verbose = 0
+
+
+class DistributedCallback(keras.callbacks.Callback):
+    """What model.fit needs for data parallelism; see callbacks()."""
+
+    def __init__(self, *, data=None, checkpoint_dir: str | Path | None = None, keep: int = 3,
+                 average_metrics: bool = True):
+        super().__init__()
+        if data is not None:
+            _tf._position(data)  # fail now, not after the first epoch, if it is not a shard
+        if not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"keep must be an integer >= 1, got {keep!r}")
+        self.data = data
+        self.checkpoint_dir = checkpoint_dir
+        self.keep = keep
+        self.average_metrics = average_metrics
+        self.resumed: dict | None = None
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        optimizer = model.optimizer
+        if hvd.size() > 1 and not isinstance(optimizer, DistributedOptimizer):
+            raise ConfigError(
+                f"the model was compiled with {type(optimizer).__name__}, which does not average gradients "
+                f"across the {hvd.size()} ranks: compile with hvdp.keras.DistributedOptimizer(optimizer)",
+                rank=hvd.rank())
+        if not model.built or not model.weights:
+            raise ConfigError("the model has no weights yet, so rank 0's cannot be broadcast before the first "
+                              "step: build it first (start it with keras.Input(shape) or call model.build(shape))",
+                              rank=hvd.rank())
+        if model.jit_compile:
+            # Horovod's collectives are not XLA ops: rebuild the step without XLA (fit looks it up every step).
+            model.jit_compile = False
+            model.make_train_function(force=True)
+        self.resumed = load_checkpoint(self.checkpoint_dir, model, optimizer, self.data) if self.checkpoint_dir else None
+        if self.resumed is not None:
+            model._initial_epoch = self.resumed["epoch"]  # as keras.callbacks.BackupAndRestore does
+            log(f"resumed from epoch {self.resumed['epoch']} (optimizer step {self.resumed['global_step']}) "
+                f"of {self.checkpoint_dir}")
+        else:
+            _tf.broadcast(model, optimizer)  # builds the optimizer's state first: no fake step
+
+    def on_train_end(self, logs=None):
+        if self.resumed is not None:
+            self.model._initial_epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.data is not None:
+            self.data.hvdp_position.set(epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.average_metrics and logs and hvd.size() > 1:
+            keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.floating, np.integer)))
+            values = hvd.allreduce(tf.constant([float(logs[k]) for k in keys], tf.float64), op=hvd.Average,
+                                   name="hvdp.metrics")
+            logs.update(zip(keys, values.numpy().tolist()))
+        if self.checkpoint_dir:
+            save_checkpoint(self.checkpoint_dir, self.model, self.model.optimizer, epoch=epoch + 1, step=0,
+                            global_step=int(self.model.optimizer.iterations), keep=self.keep)
+
+
+def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int = 3,
+              average_metrics: bool = True) -> list[keras.callbacks.Callback]:
+    """The callbacks to pass to model.fit, first in the list (later callbacks then see averaged metrics):
+
+    - before the first step, broadcasts the model's weights and the optimizer's state from rank 0 (or
+      restores the newest checkpoint of `checkpoint_dir` on every rank and makes fit continue from its epoch);
+    - with `data` (the dataset shard() returned), sets each epoch's data order from fit's epoch number;
+    - averages the epoch's metrics (loss, accuracy, val_*) over ranks in the logs;
+    - with `checkpoint_dir`, writes a checkpoint at every epoch end (rank 0, atomic, keeps `keep`);
+    - shows fit's progress bar (verbose=1 or 2) on rank 0 only.
+
+    Learning-rate scaling and warmup live in DistributedOptimizer (a LearningRateSchedule), not here.
+    """
+    if checkpoint_dir is not None and data is None:
+        raise ConfigError("callbacks(checkpoint_dir=...) needs data=<the dataset hvdp.keras.shard returned>: a "
+                          "resumed fit must continue that dataset's epoch order, not restart it")
+    return [DistributedCallback(data=data, checkpoint_dir=checkpoint_dir, keep=keep, average_metrics=average_metrics),
+            _RankZeroProgbar()]
+
+
+@keras.saving.register_keras_serializable(package="hvdp")
+class SyncBatchNormalization(keras.layers.BatchNormalization):
+    """BatchNormalization whose training statistics are those of the global batch (all ranks together).
+
+    One all-reduce of (sum, sum of squares, count) per call, differentiable; in inference it is plain
+    BatchNormalization. (Horovod's SyncBatchNormalization does not work on Keras 3: it passes `fused`.)
+    """
+
+    def _moments(self, inputs, mask):
+        if not hvd.is_initialized() or hvd.size() == 1:
+            return super()._moments(inputs, mask)
+        x = tf.cast(inputs, tf.float32)
+        if mask is None:
+            weights = tf.ones_like(x)
+        else:
+            weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), tf.float32), tf.shape(x))
+        axes = self._reduction_axes
+        s1 = tf.reduce_sum(weights * x, axes)
+        shape = tf.shape(s1)
+        stats = tf.concat([tf.reshape(s1, [-1]), tf.reshape(tf.reduce_sum(weights * x * x, axes), [-1]),
+                           tf.reshape(tf.reduce_sum(weights, axes), [-1])], axis=0)
+        stats = hvd.allreduce(stats, op=hvd.Sum)  # the gradient flows back through it (Horovod registers it)
+        s1, s2, n = (tf.reshape(part, shape) for part in tf.split(stats, 3))
+        mean = s1 / n
+        variance = tf.maximum(s2 / n - mean * mean, 0.0)
+        return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+
+
+__all__ = ["init", "world", "DistributedOptimizer", "ScaledSchedule", "shard", "callbacks", "DistributedCallback",
+           "SyncBatchNormalization", "average", "evaluate", "check_consistency", "save_checkpoint",
+           "load_checkpoint", "log", "HvdpError"]

@@ -1,0 +1,662 @@
+"""TensorFlow adapter (custom training loops): plain functions over the core and horovod.tensorflow.
+
+    import hvdp.tensorflow as hvdp_tf
+    world = hvdp_tf.init()
+    optimizer = hvdp_tf.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))  # LR x size, all-reduce
+    data = hvdp_tf.shard((x, y), batch_size=32)       # this rank's batches; a new order every epoch
+    hvdp_tf.broadcast(model, optimizer)                # rank 0's weights (and optimizer state) everywhere
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))   # averaged across ranks
+        return loss
+
+    for epoch in range(epochs):
+        for x, y in data:
+            train_step(x, y)
+    metrics = hvdp_tf.evaluate(model, (x_test, y_test))    # every test sample counted exactly once
+
+Horovod's own Keras layer (horovod.tensorflow.keras) does not work on Keras 3 (horovod#4290), so nothing
+here uses it: gradients are averaged with horovod.tensorflow.grouped_allreduce inside the optimizer's
+apply(), which both custom loops and Keras 3's model.fit call inside their compiled step. hvdp.keras builds
+its callbacks on the functions of this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+from hvdp import _horovod
+from hvdp.core import checkpoint as ckpt
+from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
+from hvdp.core.scaling import lr_multiplier, warmup_factor
+from hvdp.core.sharding import ShardPlan, eval_bounds
+from hvdp.core.world import World, threads_per_rank
+
+hvd = _horovod.import_horovod("tensorflow")
+
+_COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+FRAMEWORK = "tensorflow"  # the checkpoint tag: hvdp.tensorflow and hvdp.keras write the same format
+
+
+def init(*, timeline: str | None = None) -> World:
+    """Initialise Horovod (horovodrun, mpirun, or plain python as size 1) and return this process's World.
+
+    `timeline`: write Horovod's timeline (Chrome trace of every collective) to this path.
+    Unless OMP_NUM_THREADS is set, each rank gets an equal share of the host's cores for TensorFlow's
+    thread pools (TensorFlow would otherwise start one thread per core in every rank).
+    """
+    w = _horovod.init("tensorflow", timeline)[1]
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = threads_per_rank(os.cpu_count() or 1, w.local_size)
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+            tf.config.threading.set_inter_op_parallelism_threads(threads)
+        except RuntimeError:  # TensorFlow already started its pools (an op ran before init): keep them
+            pass
+    return w
+
+
+def world() -> World:
+    return World.from_horovod(hvd)
+
+
+def _ensure_init() -> World:
+    return world() if hvd.is_initialized() else init()
+
+
+def _check_compression(compression: str) -> None:
+    if compression not in _COMPRESSIONS:
+        raise ConfigError(f"compression={compression!r} is not one of {', '.join(_COMPRESSIONS)}")
+
+
+# ------------------------------------------------------------------------------------------- gradients
+
+def allreduce_gradients(grads: Iterable, *, compression: str = "none") -> list:
+    """Average gradients over all ranks with one grouped all-reduce; None entries stay None.
+
+    Works eagerly and inside tf.function. fp16 compression halves the bytes on the wire; the result is
+    cast back to each gradient's dtype.
+    """
+    _check_compression(compression)
+    grads = list(grads)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if hvd.size() == 1 or not present:
+        return grads
+    dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices (embeddings) densified
+    # An explicit name: the default derives from tensor names, which hold Keras's per-process layer
+    # counters (a rank that built one more model than the others would wait forever).
+    reduced = hvd.grouped_allreduce(dense, op=hvd.Average, compression=_COMPRESSIONS[compression],
+                                    name="hvdp_gradients")
+    out = list(grads)
+    for i, g in zip(present, reduced):
+        out[i] = g
+    return out
+
+
+class DistributedGradientTape:
+    """Wraps a tf.GradientTape so that gradient() returns gradients averaged over all ranks.
+
+        with tf.GradientTape() as tape:
+            loss = ...
+        tape = hvdp_tf.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)     # identical on every rank
+
+    For clipping by the global norm, clip these (already averaged) gradients, then apply them with a
+    plain optimizer whose rate hvdp_tf.scale_learning_rate set. LR scaling, warmup and accumulation of
+    several backward passes live in DistributedOptimizer: a tape cannot hold back an optimizer step.
+    Use one or the other, not both (they would average twice: harmless, but twice the traffic).
+    """
+
+    def __init__(self, tape: tf.GradientTape, *, compression: str = "none"):
+        _check_compression(compression)
+        self._tape = tape
+        self._compression = compression
+
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
+        flat = tf.nest.flatten(grads)
+        return tf.nest.pack_sequence_as(grads, allreduce_gradients(flat, compression=self._compression))
+
+    def __enter__(self):
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._tape.__exit__(*exc)
+
+    def __getattr__(self, name):  # watch(), stop_recording(), reset(), jacobian()...
+        return getattr(self._tape, name)
+
+
+# ------------------------------------------------------------------------------------------- optimizer
+
+@keras.saving.register_keras_serializable(package="hvdp")
+class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """base(step) x multiplier x warmup factor, the factors computed by hvdp.core.scaling.warmup_factor.
+
+    `base` is a float or another LearningRateSchedule; `step` counts optimizer steps (not backward passes).
+    """
+
+    def __init__(self, base, multiplier: float, warmup_steps: int = 0):
+        self.base = base
+        self.multiplier = float(multiplier)
+        self.warmup_steps = int(warmup_steps)
+        # The ramp as a table: the core's pure function evaluated once per step, looked up in the graph.
+        self._factors = [warmup_factor(s, self.warmup_steps, self.multiplier) for s in range(self.warmup_steps + 1)]
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.int64)
+        base = self.base(step) if callable(self.base) else self.base
+        factor = tf.gather(tf.constant(self._factors, tf.float32), tf.minimum(step, self.warmup_steps))
+        return tf.cast(base, tf.float32) * (self.multiplier * factor)
+
+    def get_config(self):
+        base = keras.saving.serialize_keras_object(self.base) if callable(self.base) else self.base
+        return {"base": base, "multiplier": self.multiplier, "warmup_steps": self.warmup_steps}
+
+    @classmethod
+    def from_config(cls, config):
+        base = config["base"]
+        if isinstance(base, dict):
+            base = keras.saving.deserialize_keras_object(base)
+        return cls(base, config["multiplier"], config["warmup_steps"])
+
+
+def scale_learning_rate(optimizer: keras.optimizers.Optimizer, multiplier: float, warmup_steps: int = 0) -> None:
+    """Scale `optimizer`'s learning rate in place by `multiplier`, ramping from the base rate over
+    `warmup_steps` optimizer steps. A float rate stays a (settable) variable when there is no warmup."""
+    base = optimizer._learning_rate
+    if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
+        optimizer.learning_rate = ScaledSchedule(base, multiplier, warmup_steps)
+    elif callable(base):
+        raise ConfigError("the optimizer's learning_rate is a plain callable; give it a float or a "
+                          "keras.optimizers.schedules.LearningRateSchedule so hvdp can scale it")
+    else:
+        rate = float(keras.ops.convert_to_numpy(base))
+        if warmup_steps and multiplier != 1.0:
+            optimizer.learning_rate = ScaledSchedule(rate, multiplier, warmup_steps)
+        else:
+            optimizer.learning_rate = rate * multiplier
+
+
+@keras.saving.register_keras_serializable(package="hvdp")
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """A Keras 3 optimizer that averages gradients across ranks before the wrapped optimizer applies them.
+
+    - scales the wrapped optimizer's learning rate by the rule (hvdp.core.scaling: `linear` x N*k, `sqrt`,
+      `none`) and, with `warmup_steps`, ramps it from the base rate over that many optimizer steps;
+    - all-reduces (averages) the gradients with one grouped Horovod all-reduce inside apply(), which
+      model.fit and tf.function custom loops call inside their compiled step; `compression="fp16"` halves
+      the bytes on the wire;
+    - with `backward_passes_per_step=k`, accumulates k calls' gradients locally and, on every k-th call,
+      applies their average (all-reduced once): k passes of batch b equal one pass of batch k*b. The
+      wrapped optimizer's `iterations` counts optimizer steps, so Adam's bias correction and LR
+      schedules see the same steps as one process with the big batch.
+
+    Subclasses Keras's Optimizer only because model.compile requires one; everything is delegated to the
+    wrapped optimizer (the same shape as keras.optimizers.LossScaleOptimizer).
+    """
+
+    def __init__(self, optimizer: keras.optimizers.Optimizer, *, lr_scaling: str = "linear",
+                 warmup_steps: int = 0, compression: str = "none", backward_passes_per_step: int = 1,
+                 name: str | None = None, _scaled: bool = False):
+        if not isinstance(optimizer, keras.optimizers.Optimizer) or isinstance(optimizer, DistributedOptimizer):
+            raise ConfigError(f"DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.*), got "
+                              f"{type(optimizer).__name__}; do not wrap twice")
+        _check_compression(compression)
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ConfigError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            raise ConfigError("the wrapped optimizer has gradient_accumulation_steps set; use "
+                              "backward_passes_per_step of DistributedOptimizer instead (it all-reduces once "
+                              "per optimizer step)")
+        w = _ensure_init()
+        super().__init__(learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
+        self.inner_optimizer = optimizer
+        self.lr_scaling = lr_scaling
+        self.warmup_steps = warmup_steps
+        self.compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.multiplier = lr_multiplier(lr_scaling, w.size, backward_passes_per_step=backward_passes_per_step)
+        if not _scaled:
+            scale_learning_rate(optimizer, self.multiplier, warmup_steps)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        var_list = list(var_list)
+        self.inner_optimizer.build(var_list)
+        if self.backward_passes_per_step > 1:
+            self._passes = self.add_variable(shape=(), dtype="int64", name="backward_passes")
+            self._accumulators = [self.add_variable_from_reference(v, name="hvdp_accumulator") for v in var_list]
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables[:] + self.inner_optimizer.variables
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if not self.built:
+            if trainable_variables is None:
+                raise ConfigError("DistributedOptimizer.apply needs trainable_variables on its first call")
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        k = self.backward_passes_per_step
+        if k == 1:
+            self.inner_optimizer.apply(allreduce_gradients(grads, compression=self.compression), variables)
+            return
+        index = [self._get_variable_index(v) for v in variables]
+        accs = [self._accumulators[i] for i in index]
+        summed = [None if g is None else a + tf.cast(g, a.dtype) for g, a in zip(grads, accs)]
+        passes = self._passes.assign_add(1)
+
+        def step():
+            averaged = allreduce_gradients([None if s is None else s / k for s in summed],
+                                           compression=self.compression)
+            self.inner_optimizer.apply(averaged, variables)
+            for a in accs:
+                a.assign(tf.zeros_like(a))
+            return tf.constant(True)
+
+        def accumulate():
+            for a, s in zip(accs, summed):
+                if s is not None:
+                    a.assign(s)
+            return tf.constant(False)
+
+        tf.cond(tf.equal(passes % k, 0), step, accumulate)
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        if hasattr(self, "inner_optimizer"):  # the base constructor sets its own (unused) rate first
+            self.inner_optimizer.learning_rate = value
+        else:
+            keras.optimizers.Optimizer.learning_rate.fset(self, value)
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
+        return {"name": self.name, "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                "lr_scaling": self.lr_scaling, "warmup_steps": self.warmup_steps,
+                "compression": self.compression, "backward_passes_per_step": self.backward_passes_per_step}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
+        return cls(inner, _scaled=True, **config)  # the saved inner optimizer already holds the scaled rate
+
+
+# ------------------------------------------------------------------------------------------- variables
+
+def _weights(model_or_variables) -> list:
+    """The variables that define a model (parameters and statistics such as BatchNorm's), in a fixed order.
+
+    A Keras model's `weights` (seed-generator states, which drive dropout, are per-rank RNG state and are
+    not included); a tf.Module's `variables`; or a list of variables as given."""
+    if isinstance(model_or_variables, keras.layers.Layer):
+        return list(model_or_variables.weights)
+    if isinstance(model_or_variables, tf.Module):
+        return list(model_or_variables.variables)
+    return list(model_or_variables)
+
+
+def _rng_variables(model) -> list:
+    """Per-rank random state of a Keras model: its seed generators' states (dropout masks, noise layers)."""
+    if not isinstance(model, keras.layers.Layer):
+        return []
+    weights = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
+
+
+def _trainable(model_or_variables) -> list:
+    if isinstance(model_or_variables, (keras.layers.Layer, tf.Module)):
+        return list(model_or_variables.trainable_variables)
+    return [v for v in model_or_variables if getattr(v, "trainable", True)]
+
+
+def _name(v) -> str:
+    """A variable's structural name: Keras's short name ('kernel'), not its path ('dense_3/kernel'), whose
+    layer counters depend on how many models this process built before."""
+    return v.name
+
+
+def _label(v) -> str:
+    """The name to show a user: the full path where there is one."""
+    return getattr(v, "path", None) or v.name
+
+
+def _build_optimizer(optimizer, model_or_variables) -> None:
+    """Create a Keras optimizer's (zero) state now, exactly as its first apply() would, so it can be
+    broadcast or restored before the first step without taking a fake step."""
+    if optimizer is not None and not optimizer.built:
+        optimizer.build(_trainable(model_or_variables))
+
+
+def broadcast(model_or_variables, optimizer: keras.optimizers.Optimizer | None = None, root_rank: int = 0) -> None:
+    """Copy the model's variables and the optimizer's state from `root_rank` to every rank.
+
+    Call it once before training (and after load_checkpoint is not needed: that already gives every rank
+    the same state). A fresh Keras optimizer is built first, so its state exists (all zeros) and the
+    first step on every rank starts from rank 0's everything. One broadcast per dtype.
+    """
+    _ensure_init()
+    _build_optimizer(optimizer, model_or_variables)
+    variables = _weights(model_or_variables) + (list(optimizer.variables) if optimizer is not None else [])
+    if hvd.size() == 1 or not variables:
+        return
+    by_dtype: dict[str, list] = {}
+    for v in variables:
+        by_dtype.setdefault(tf.as_dtype(v.dtype).name, []).append(v)
+    for dtype, group in sorted(by_dtype.items()):
+        flat = tf.concat([tf.reshape(tf.convert_to_tensor(v), [-1]) for v in group], axis=0)
+        flat = hvd.broadcast(flat, root_rank=root_rank, name=f"hvdp.broadcast.{dtype}")
+        sizes = [int(np.prod(v.shape)) for v in group]
+        for v, part in zip(group, tf.split(flat, sizes)):
+            v.assign(tf.reshape(part, v.shape))
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+class ShardPosition:
+    """Where a shard's next iteration starts: `epoch` and the batch `step` within it.
+
+    Each iteration of the dataset takes the current position and moves to the start of the next epoch,
+    so the order advances by itself; set() moves it (resume, or hvdp.keras following fit's epoch)."""
+
+    def __init__(self, plan: ShardPlan):
+        self.plan = plan
+        self.epoch = 0
+        self.step = 0
+
+    def set(self, epoch: int, step: int = 0) -> None:
+        self.epoch, self.step = int(epoch), int(step)
+
+    def _begin(self) -> tuple[int, int]:
+        epoch, step = self.epoch, self.step
+        self.epoch, self.step = epoch + 1, 0
+        return epoch, step
+
+
+def _as_arrays(data) -> tuple[np.ndarray, ...]:
+    if isinstance(data, tf.data.Dataset):
+        if data.cardinality() == tf.data.INFINITE_CARDINALITY:
+            raise ConfigError("shard() needs a finite dataset of samples (not batches, not repeated): its "
+                              "samples are indexed by the epoch order; remove .repeat()")
+        # Random access by index is what makes the order exact: read the (unbatched) samples once.
+        items = list(data.as_numpy_iterator())
+        if not items:
+            raise ConfigError("shard() got an empty dataset")
+        first = items[0]
+        if isinstance(first, tuple):
+            return tuple(np.stack([it[j] for it in items]) for j in range(len(first)))
+        return (np.stack(items),)
+    if isinstance(data, (tuple, list)):
+        arrays = tuple(np.asarray(a) for a in data)
+    else:
+        arrays = (np.asarray(data),)
+    lengths = {len(a) for a in arrays}
+    if len(lengths) != 1:
+        raise ConfigError(f"shard() got arrays of different lengths {[len(a) for a in arrays]}; "
+                          f"inputs and labels need one entry per sample")
+    return arrays
+
+
+def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> tf.data.Dataset:
+    """A tf.data.Dataset of this rank's batches of `data`; `batch_size` is per rank.
+
+    `data` is an array, a tuple of arrays (x, y), or a finite tf.data.Dataset of samples (read into
+    memory once). The epoch order depends only on (seed, epoch), never on TensorFlow's global seed;
+    ranks get disjoint slices of each global batch, so N ranks with batch b see at every step exactly
+    what one process with batch N*b sees. Each iteration is the next epoch (no set_epoch to forget);
+    the dataset's `hvdp_position` (a ShardPosition) says and sets where the next iteration starts.
+    """
+    w = _ensure_init()
+    arrays = _as_arrays(data)
+    plan = ShardPlan(n=len(arrays[0]), batch_size=batch_size, rank=w.rank, size=w.size, seed=seed,
+                     shuffle=shuffle, drop_last=drop_last)
+    position = ShardPosition(plan)
+
+    def batches():
+        epoch, start = position._begin()
+        for idx in plan.batches(epoch, start):
+            yield tuple(a[idx] for a in arrays)
+
+    signature = tuple(tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)) for a in arrays)
+    dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    dataset.hvdp_position = position
+    return dataset
+
+
+# ----------------------------------------------------------------------------------------- collectives
+
+def average(value, name: str = "hvdp.average") -> float:
+    """The mean of a scalar over all ranks (for metrics and logging). Every rank must call it."""
+    t = tf.reshape(tf.cast(tf.convert_to_tensor(value), tf.float64), [])
+    return float(hvd.allreduce(t, op=hvd.Average, name=name))
+
+
+def check_finite(loss, step: int) -> None:
+    """Raise NonFiniteLossError on every rank if the loss is NaN or inf on any rank (which is named)."""
+    value = float(loss)
+    flags = hvd.allgather(tf.constant([0.0 if np.isfinite(value) else 1.0], tf.float64), name="hvdp.finite")
+    ranks = [int(r) for r in np.flatnonzero(flags.numpy())]
+    if ranks:
+        raise NonFiniteLossError(
+            f"loss is not finite at step {step} on rank(s) {ranks} (loss on this rank: {value}); lower the "
+            f"learning rate, enable warmup, or check the data", rank=hvd.rank())
+
+
+def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True) -> dict[str, float]:
+    """Sparse-categorical loss and accuracy of a classifier over `data` = (x, y), counting every sample
+    exactly once on any world size: each rank scores a contiguous, unpadded slice, the sums are all-reduced.
+    Returns {"loss", "accuracy", "samples"}. Every rank must call it."""
+    w = _ensure_init()
+    x, y = (np.asarray(a) for a in data)
+    start, stop = eval_bounds(len(x), w.rank, w.size)
+    sums = np.zeros(3)  # loss sum, correct, count
+    for lo in range(start, stop, batch_size):
+        xb, yb = x[lo:min(lo + batch_size, stop)], y[lo:min(lo + batch_size, stop)]
+        out = model(xb, training=False)
+        loss = keras.losses.sparse_categorical_crossentropy(yb, out, from_logits=from_logits)
+        pred = np.argmax(keras.ops.convert_to_numpy(out), axis=-1)
+        sums += [float(np.sum(keras.ops.convert_to_numpy(loss), dtype=np.float64)), float(np.sum(pred == yb)), len(yb)]
+    total = hvd.allreduce(tf.constant(sums, tf.float64), op=hvd.Sum, name="hvdp.evaluate").numpy()
+    return {"loss": float(total[0] / total[2]), "accuracy": float(total[1] / total[2]), "samples": int(total[2])}
+
+
+def log(*args: Any, **kwargs: Any) -> None:
+    """print() on rank 0 only."""
+    if not hvd.is_initialized() or hvd.rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def check_consistency(model_or_variables) -> None:
+    """Raise DivergenceError on every rank if any model variable differs across ranks, naming the first one
+    and the ranks that differ from rank 0. Compares exact bytes, so it catches the smallest drift."""
+    variables = _weights(model_or_variables)
+    digest = [(f"{i}:{_name(v)}", tuple(int(s) for s in v.shape),
+               hashlib.sha256(np.ascontiguousarray(keras.ops.convert_to_numpy(v)).tobytes()).hexdigest())
+              for i, v in enumerate(variables)]
+    gathered = hvd.allgather_object(digest, name="hvdp.consistency")
+    reference = gathered[0]
+    for rank, other in enumerate(gathered[1:], start=1):
+        if [(n, s) for n, s, _ in other] != [(n, s) for n, s, _ in reference]:
+            mine = {n: s for n, s, _ in other}
+            first = next(((n, s) for n, s, _ in reference if mine.get(n) != s), None) or (other[len(reference)][0], None)
+            raise DivergenceError(
+                f"rank {rank} holds a different model than rank 0: variable {first[0]!r} has shape {mine.get(first[0])} "
+                f"on rank {rank} and {first[1]} on rank 0; every rank must build the same model", rank=hvd.rank())
+    for i, (name, _, h) in enumerate(reference):
+        ranks = [r for r, other in enumerate(gathered) if other[i][2] != h]
+        if ranks:
+            raise DivergenceError(
+                f"replicas diverged: {_label(variables[i])!r} differs from rank 0 on rank(s) {ranks}. Broadcast the initial state "
+                f"(hvdp.tensorflow.broadcast, or hvdp.keras.callbacks) and avoid rank-dependent code paths",
+                rank=hvd.rank())
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+
+def _fingerprint(model_or_variables) -> str:
+    return ckpt.fingerprint((f"{i}:{_name(v)}", tuple(int(s) for s in v.shape))
+                            for i, v in enumerate(_weights(model_or_variables)))
+
+
+def _numpy(variables) -> list[np.ndarray]:
+    return [np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]
+
+
+def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Optimizer | None, *, epoch: int,
+                    step: int, global_step: int, keep: int = 3, **extra: Any) -> Path | None:
+    """Write a checkpoint on rank 0 (atomically) and keep the newest `keep`; every rank must call it.
+
+    The file is a NumPy .npz (read back with allow_pickle=False: no code runs on load) holding the model's
+    variables, the optimizer's (its step counter included), every rank's seed-generator state (dropout)
+    and a JSON header: hvdp's metadata, the data position `epoch`/`step` (batches done in that epoch) and
+    `extra` (JSON values). `global_step` names the file. Returns the path on rank 0, None elsewhere.
+    """
+    try:
+        json.dumps(extra)
+    except TypeError as e:
+        raise ConfigError(f"save_checkpoint extra values must be JSON (numbers, strings, lists, dicts): {e}")
+    _build_optimizer(optimizer, model)
+    rng = hvd.allgather_object(_numpy(_rng_variables(model)), name="hvdp.rng")
+    if hvd.rank() != 0:
+        hvd.barrier()
+        return None
+    weights = _weights(model)
+    opt_vars = list(optimizer.variables) if optimizer is not None else []
+    header = {"hvdp": ckpt.make_meta(framework=FRAMEWORK, step=global_step, epoch=epoch, world_size=hvd.size(),
+                                     model_fingerprint=_fingerprint(model)),
+              "position": {"epoch": int(epoch), "step": int(step)},
+              "model": [_label(v) for v in weights], "optimizer": [_label(v) for v in opt_vars],
+              "extra": extra}
+    arrays = {"header": np.array(json.dumps(header))}
+    arrays.update({f"model/{i:05d}": a for i, a in enumerate(_numpy(weights))})
+    arrays.update({f"optimizer/{i:05d}": a for i, a in enumerate(_numpy(opt_vars))})
+    for r, states in enumerate(rng):
+        arrays.update({f"rng/{r}/{i:05d}": a for i, a in enumerate(states)})
+    path = Path(directory) / ckpt.checkpoint_name(global_step, "npz")
+    try:
+        ckpt.write_atomic(path, lambda f: np.savez(f, **arrays))
+        ckpt.prune(directory, keep)
+    finally:
+        hvd.barrier()
+    return path
+
+
+def _read(path: Path, model, optimizer) -> dict:
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+        header = json.loads(str(arrays.pop("header")))
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}. The file is corrupt, "
+                              f"truncated or not an hvdp TensorFlow checkpoint; delete it to resume from an older one")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not an hvdp checkpoint (no '{ckpt.FORMAT}' header)")
+    ckpt.check_meta(header.get("hvdp"), path, framework=FRAMEWORK, model_fingerprint=_fingerprint(model))
+    opt_vars = list(optimizer.variables) if optimizer is not None else []
+    saved = [arrays.get(f"optimizer/{i:05d}") for i in range(len(header.get("optimizer", [])))]
+    if optimizer is not None and ([tuple(a.shape) for a in saved] != [tuple(v.shape) for v in opt_vars]):
+        raise CheckpointError(
+            f"{path} holds the state of another optimizer ({len(saved)} variables: {header.get('optimizer')[:4]}...; "
+            f"this one has {len(opt_vars)}); resume with the optimizer it was saved with, or another checkpoint dir")
+    weights = [arrays.get(f"model/{i:05d}") for i in range(len(header["model"]))]
+    if any(a is None for a in weights + saved):
+        raise CheckpointError(f"{path} is incomplete: arrays listed in its header are missing")
+    rng = {}
+    for key, a in arrays.items():
+        if key.startswith("rng/"):
+            _, r, i = key.split("/")
+            rng.setdefault(int(r), {})[int(i)] = a
+    return {"header": header, "model": weights, "optimizer": saved,
+            "rng": {r: [d[i] for i in sorted(d)] for r, d in rng.items()}}
+
+
+def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimizers.Optimizer | None,
+                    dataset: tf.data.Dataset | None = None) -> dict | None:
+    """Restore the newest checkpoint in `directory` on every rank; None (and nothing changed) if there is none.
+
+    Rank 0 reads the file (np.load with allow_pickle=False) and broadcasts it; a corrupt, truncated or
+    foreign file raises CheckpointError naming it, on every rank, and is left as it is. With `dataset` (from
+    shard()), its next iteration resumes at the saved epoch and step. Returns
+    {"epoch", "step", "global_step", **extra}.
+    """
+    _ensure_init()
+    _build_optimizer(optimizer, model)
+    result: dict = {}
+    if hvd.rank() == 0:
+        path = ckpt.latest_checkpoint(directory)
+        try:
+            result = {"payload": _read(path, model, optimizer)} if path else {}
+        except CheckpointError as e:
+            result = {"error": str(e)}
+    result = hvd.broadcast_object(result, root_rank=0, name="hvdp.load_checkpoint")
+    if "error" in result:
+        raise CheckpointError(result["error"], rank=hvd.rank())
+    if "payload" not in result:
+        return None
+    payload = result["payload"]
+    header, position = payload["header"], payload["header"]["position"]
+    same_world = header["hvdp"]["world_size"] == hvd.size()
+    if dataset is not None and not same_world and position["step"]:
+        raise CheckpointError(
+            f"the checkpoint was taken mid-epoch with {header['hvdp']['world_size']} ranks and this job has "
+            f"{hvd.size()}: its data position cannot be resharded exactly; resume with "
+            f"{header['hvdp']['world_size']} ranks, or from an end-of-epoch checkpoint", rank=hvd.rank())
+    for v, a in zip(_weights(model), payload["model"]):
+        v.assign(a)
+    if optimizer is not None:
+        for v, a in zip(optimizer.variables, payload["optimizer"]):
+            v.assign(a)
+    mine = payload["rng"].get(hvd.rank())
+    rng_vars = _rng_variables(model)
+    if same_world and mine is not None and [a.shape for a in mine] == [tuple(v.shape) for v in rng_vars]:
+        for v, a in zip(rng_vars, mine):
+            v.assign(a)
+    if dataset is not None:
+        _position(dataset).set(position["epoch"], position["step"])
+    return {"epoch": position["epoch"], "step": position["step"], "global_step": header["hvdp"]["step"],
+            **header["extra"]}
+
+
+def _position(dataset) -> ShardPosition:
+    position = getattr(dataset, "hvdp_position", None)
+    if position is None:
+        raise ConfigError("the dataset was not made by hvdp's shard() (or was transformed after it: .map() "
+                          "returns a new dataset); pass the dataset shard() returned")
+    return position
+
+
+__all__ = ["init", "world", "allreduce_gradients", "DistributedGradientTape", "DistributedOptimizer",
+           "ScaledSchedule", "scale_learning_rate", "broadcast", "shard", "ShardPosition", "average",
+           "check_finite", "evaluate", "log", "check_consistency", "save_checkpoint", "load_checkpoint", "HvdpError"]
