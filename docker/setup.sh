@@ -24,6 +24,9 @@ command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
 command -v make >/dev/null || missing+=(make)
 command -v ssh >/dev/null || missing+=(openssh-client)
+# The multihost tests run a real sshd per network-namespace host (tests/multihost).
+[[ -x /usr/sbin/sshd ]] || command -v sshd >/dev/null || missing+=(openssh-server)
+command -v ip >/dev/null || missing+=(iproute2)
 if ((${#missing[@]})); then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
         say "installing system packages: ${missing[*]}"

@@ -59,12 +59,18 @@ class World:
         return cls()
 
 
+# horovodrun's MPI mode sets no HOROVOD_* variable in the ranks: it runs `mpirun --tag-output -mca pml ob1
+# -mca btl ^openib ...`, and mpirun hands those options to every rank as OMPI_MCA_* variables. Together they
+# are horovodrun's signature (measured with horovodrun 0.28.1 and OpenMPI 4.1).
+_HOROVODRUN_MPI_MARKS = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "^openib", "OMPI_MCA_orte_tag_output": "1"}
+
+
 def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
     """Name the launcher that started this process, from its environment variables."""
     env = os.environ if environ is None else environ
     for name, rank, size, *_ in _LAUNCHER_VARS:
         if rank in env and size in env:
-            if name.startswith("mpirun (OpenMPI)") and "HOROVOD_HOSTNAME" in env:
+            if name == "mpirun (OpenMPI)" and all(env.get(k) == v for k, v in _HOROVODRUN_MPI_MARKS.items()):
                 return "horovodrun (mpi)"
             return name
     return "python (single process)"

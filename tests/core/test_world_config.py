@@ -12,6 +12,10 @@ def test_plain_python_is_size_one():
     assert detect_launcher({}) == "python (single process)"
 
 
+_OMPI_RANK1 = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+               "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
+
+
 @pytest.mark.parametrize("env,world,launcher", [
     ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"},
      World(rank=1, size=4, local_rank=1, local_size=2), "horovodrun (gloo)"),
@@ -19,6 +23,16 @@ def test_plain_python_is_size_one():
       "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, World(rank=3, size=8, local_rank=3, local_size=4), "mpirun (OpenMPI)"),
     ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"},
      World(rank=2, size=4, local_rank=0, local_size=1), "slurm (srun)"),
+    # What `horovodrun --mpi` (0.28.1, OpenMPI 4.1) puts in a rank's environment: OpenMPI's variables plus
+    # the MCA options it passes to mpirun; no HOROVOD_* variable at all.
+    ({**_OMPI_RANK1, "OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "^openib", "OMPI_MCA_orte_tag_output": "1",
+      "OMPI_MCA_btl_tcp_if_include": "eth0", "NCCL_SOCKET_IFNAME": "eth0"},
+     World(rank=1, size=2, local_rank=0, local_size=1), "horovodrun (mpi)"),
+    # Plain mpirun, even with one of those options given by hand, is mpirun.
+    ({**_OMPI_RANK1, "OMPI_MCA_pml": "ob1"}, World(rank=1, size=2, local_rank=0, local_size=1), "mpirun (OpenMPI)"),
+    # HOROVOD_HOSTNAME is horovodrun's Gloo mode (or a user's export), not a sign of its MPI mode.
+    ({**_OMPI_RANK1, "HOROVOD_HOSTNAME": "node1"}, World(rank=1, size=2, local_rank=0, local_size=1),
+     "mpirun (OpenMPI)"),
 ])
 def test_world_from_launcher_env(env, world, launcher):
     assert World.from_env(env) == world
