@@ -4,10 +4,15 @@ module as an argument; imports nothing heavy at module level."""
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import os
+import socket
 
 from hvdp.core.errors import SetupError
 from hvdp.core.tuning import apply_runtime_defaults
+from hvdp.core.watchdog import Watchdog, open_socket
+from hvdp.core.watchdog import settings as watchdog_settings
 from hvdp.core.world import World, detect_launcher
 
 _FRAMEWORK_MODULES = {"torch": "horovod.torch", "tensorflow": "horovod.tensorflow"}
@@ -41,7 +46,50 @@ def init(framework: str, timeline: str | None = None):
         hvd.init()
     if timeline:
         hvd.start_timeline(timeline, mark_cycles=False)
-    return hvd, World.from_horovod(hvd)
+    world = World.from_horovod(hvd)
+    _start_watchdog(hvd, world)
+    return hvd, world
+
+
+_watchdog: Watchdog | None = None
+
+
+def progress(step: int, phase: str) -> None:
+    """Tell the watchdog where this rank is (no-op without one)."""
+    if _watchdog is not None:
+        _watchdog.progress(step, phase)
+
+
+def _start_watchdog(hvd, world: World) -> None:
+    """Start hvdp's heartbeat thread (see hvdp.core.watchdog) once per process, for jobs of 2+ ranks.
+
+    It listens on one UDP port: on 127.0.0.1 when all ranks share this host, otherwise on the address of
+    HVDP_WATCHDOG_IFACE / HOROVOD_GLOO_IFACE when set (the interface the job runs on), else on all.
+    """
+    global _watchdog
+    enabled, timeout = watchdog_settings()
+    if _watchdog is not None or not enabled or world.size == 1:
+        return
+    if world.local_size == world.size:
+        bind, addresses = "127.0.0.1", ["127.0.0.1"]
+    else:
+        addresses = _interface_addresses(os.environ.get("HVDP_WATCHDOG_IFACE") or os.environ.get("HOROVOD_GLOO_IFACE"))
+        bind = addresses[0] if len(addresses) == 1 else "0.0.0.0"
+    sock = open_socket(bind)
+    port = sock.getsockname()[1]
+    peers = hvd.allgather_object([(a, port) for a in addresses], name="hvdp.watchdog.peers")
+    _watchdog = Watchdog(world.rank, peers, sock, timeout=timeout).start()
+    atexit.register(_watchdog.stop)
+
+
+def _interface_addresses(iface: str | None) -> list[str]:
+    import psutil  # a Horovod dependency
+    found = []
+    for name, addrs in psutil.net_if_addrs().items():
+        if (iface and name != iface) or (not iface and name == "lo"):
+            continue
+        found += [a.address for a in addrs if a.family == socket.AF_INET]
+    return found or ["127.0.0.1"]
 
 
 def controller(hvd) -> str:

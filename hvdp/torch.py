@@ -32,7 +32,10 @@ from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
 from hvdp.core.scaling import lr_multiplier, warmup_factor
 from hvdp.core.sharding import ShardPlan, eval_bounds
+from hvdp.core.watchdog import WAITING
 from hvdp.core.world import World, threads_per_rank
+
+COMPUTING = "computing its forward/backward pass"
 
 hvd = _horovod.import_horovod("torch")
 
@@ -113,38 +116,34 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     broadcast(model, dist)
     schedule = _Schedule(multiplier=multiplier, warmup_steps=warmup_steps)
     dist.hvdp_schedule = schedule
-    if warmup_steps and multiplier != 1.0:
-        dist.register_step_pre_hook(_warmup_pre_hook)
-    dist.register_step_post_hook(_count_post_hook)
+    dist.register_step_pre_hook(_pre_step_hook)
+    dist.register_step_post_hook(_post_step_hook)
     return dist
 
 
-def _warmup_pre_hook(optimizer, args, kwargs):
+def _pre_step_hook(optimizer, args, kwargs):
+    # Horovod's step() calls the wrapped optimizer's step(), which runs the hooks again: act on the outer call.
     s = optimizer.hvdp_schedule
     if s.depth == 0:
+        _horovod.progress(s.step, WAITING)
         factor = warmup_factor(s.step, s.warmup_steps, s.multiplier)
-        s.saved = tuple(g["lr"] for g in optimizer.param_groups)
-        for g in optimizer.param_groups:
-            g["lr"] = g["lr"] * factor
+        if factor != 1.0:
+            s.saved = tuple(g["lr"] for g in optimizer.param_groups)
+            for g in optimizer.param_groups:
+                g["lr"] = g["lr"] * factor
     s.depth += 1
 
 
-def _count_post_hook(optimizer, args, kwargs):
+def _post_step_hook(optimizer, args, kwargs):
     s = optimizer.hvdp_schedule
-    if s.saved:
-        s.depth -= 1
-        if s.depth:
-            return
-        for g, lr in zip(optimizer.param_groups, s.saved):
-            g["lr"] = lr
-        s.saved = ()
-        s.step += 1
-    elif s.depth == 0:
-        # Without warmup only the post hook is registered: count the outer step, not the nested one.
-        s.depth = 1
-        s.step += 1
-    else:
-        s.depth = 0
+    s.depth = max(0, s.depth - 1)
+    if s.depth:
+        return
+    for g, lr in zip(optimizer.param_groups, s.saved):
+        g["lr"] = lr
+    s.saved = ()
+    s.step += 1
+    _horovod.progress(s.step, COMPUTING)
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:

@@ -145,6 +145,14 @@ def lr_scaled_and_warmed_up(tmp):
     assert abs(used[-1] - 0.1 * world.size) < 1e-6, "and ends at the scaled rate"
     assert used == sorted(used)
     assert opt.param_groups[0]["lr"] == 0.1 * world.size, "the group lr is left at the scaled value"
+    assert opt.hvdp_schedule.step == 6, "every optimizer step counted once"
+    other = torch.nn.Linear(1, 1)
+    plain = ht.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))  # no warmup: counted once too
+    for _ in range(3):
+        plain.zero_grad()
+        other(torch.ones(1, 1)).sum().backward()
+        plain.step()
+    assert plain.hvdp_schedule.step == 3
 
 
 @check

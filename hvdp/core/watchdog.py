@@ -1,0 +1,148 @@
+"""hvdp's watchdog: turns a hung or vanished rank into a clear error on every surviving rank, instead of a
+job that waits forever inside a collective (Horovod's stall inspector never fires under MPI: its
+coordinator is itself blocked in MPI).
+
+Each rank runs one daemon thread that sends a small UDP heartbeat (rank, step, phase) to every peer once
+per `interval` seconds and listens for theirs. The thread does not need the GIL for long nor any
+collective, so it keeps running while the main thread is blocked in MPI or Gloo. When a peer has been
+silent for `timeout` seconds (stopped, frozen, host gone), or this rank has waited in a collective for
+`timeout` seconds while a live peer is elsewhere, the watchdog prints which rank, at which step and in
+which phase, and ends this process with exit code 70 so that the launcher tears the job down.
+
+Framework-free (stdlib only); the adapters report progress with `progress(step, phase)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hvdp.core.errors import ConfigError
+
+EXIT_CODE = 70
+DEFAULT_TIMEOUT = 60.0
+WAITING = "waiting for the gradient all-reduce"
+EXITED = "exited"
+
+
+@dataclass(slots=True)
+class PeerState:
+    step: int = -1
+    phase: str = "starting"
+    heard: float = field(default_factory=time.monotonic)
+
+
+def settings(environ=None) -> tuple[bool, float]:
+    """(enabled, timeout seconds) from HVDP_WATCHDOG (0 disables) and HVDP_WATCHDOG_TIMEOUT."""
+    env = os.environ if environ is None else environ
+    enabled = env.get("HVDP_WATCHDOG", "1") not in ("0", "false", "off")
+    try:
+        timeout = float(env.get("HVDP_WATCHDOG_TIMEOUT", DEFAULT_TIMEOUT))
+    except ValueError:
+        raise ConfigError(f"HVDP_WATCHDOG_TIMEOUT must be a number of seconds, got {env['HVDP_WATCHDOG_TIMEOUT']!r}")
+    if timeout <= 0:
+        raise ConfigError(f"HVDP_WATCHDOG_TIMEOUT must be > 0, got {timeout}")
+    return enabled, timeout
+
+
+def open_socket(bind: str = "0.0.0.0") -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((bind, 0))
+    return sock
+
+
+class Watchdog:
+    """One rank's heartbeat thread. `peers[r]` lists the (address, port) pairs to reach rank r."""
+
+    def __init__(self, rank: int, peers: list[list[tuple[str, int]]], sock: socket.socket, *,
+                 timeout: float = DEFAULT_TIMEOUT, interval: float | None = None,
+                 on_hang: Callable[[str], None] | None = None):
+        self.rank, self.peers, self.sock, self.timeout = rank, peers, sock, timeout
+        self.interval = interval if interval is not None else min(1.0, timeout / 5)
+        self.on_hang = on_hang or _abort
+        self.step, self.phase, self.since = 0, "starting", time.monotonic()
+        self.state = {r: PeerState() for r in range(len(peers)) if r != rank}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hvdp-watchdog", daemon=True)
+        self.sock.settimeout(self.interval)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Tell the peers this rank is leaving on purpose (so they stop watching it), then stop."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.phase = EXITED
+        self._send()
+        self.sock.close()
+
+    def progress(self, step: int, phase: str) -> None:
+        """Called by the training loop's hooks: where this rank is now."""
+        self.step, self.phase, self.since = step, phase, time.monotonic()
+
+    def _run(self) -> None:
+        last_sent = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now - last_sent >= self.interval:
+                self._send()
+                last_sent = now
+            try:
+                data, _ = self.sock.recvfrom(4096)
+                msg = json.loads(data)
+                peer = self.state.get(msg["rank"])
+                if msg["phase"] == EXITED:
+                    self.state.pop(msg["rank"], None)  # left on purpose: nothing to watch
+                elif peer is not None:
+                    peer.step, peer.phase, peer.heard = msg["step"], msg["phase"], time.monotonic()
+            except (socket.timeout, ValueError, KeyError, OSError):
+                pass
+            problem = self.diagnose(time.monotonic())
+            if problem:
+                self.on_hang(problem)
+                return
+
+    def _send(self) -> None:
+        msg = json.dumps({"rank": self.rank, "step": self.step, "phase": self.phase}).encode()
+        for r, addresses in enumerate(self.peers):
+            if r != self.rank:
+                for address in addresses:
+                    try:
+                        self.sock.sendto(msg, tuple(address))
+                    except OSError:
+                        pass
+
+    def diagnose(self, now: float) -> str | None:
+        """The message to die with, or None while the job is healthy."""
+        silent = sorted(r for r, p in self.state.items() if now - p.heard > self.timeout)
+        me = f"rank {self.rank} is at step {self.step}, {self.phase} for {now - self.since:.0f} s"
+        if silent:
+            who = "; ".join(f"rank {r} (last heard {now - self.state[r].heard:.0f} s ago at step "
+                            f"{self.state[r].step}, {self.state[r].phase})" for r in silent)
+            return (f"hvdp watchdog: {who} stopped responding: the process is stopped, frozen, or its host or "
+                    f"network is gone. {me}. Ending the job instead of waiting forever (timeout "
+                    f"{self.timeout:g} s; HVDP_WATCHDOG_TIMEOUT changes it, HVDP_WATCHDOG=0 disables it).")
+        if self.phase == WAITING and now - self.since > self.timeout:
+            behind = sorted(r for r, p in self.state.items() if p.phase != WAITING or p.step != self.step)
+            if behind:
+                who = "; ".join(f"rank {r} is alive at step {self.state[r].step}, {self.state[r].phase}"
+                                for r in behind)
+                return (f"hvdp watchdog: {me}, but {who}: it never reached this collective (a rank-dependent "
+                        f"code path, or a rank stuck in its own code). Ending the job (timeout {self.timeout:g} s; "
+                        f"HVDP_WATCHDOG_TIMEOUT changes it).")
+        return None
+
+
+def _abort(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(EXIT_CODE)

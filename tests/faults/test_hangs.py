@@ -1,0 +1,59 @@
+"""A dead, hung or diverging rank ends the job with a message that names it, within a bounded time."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch import ROOT, env, launcher_cmd
+
+WORKER = Path(__file__).with_name("fault_worker.py")
+TIMEOUT = 10  # HVDP_WATCHDOG_TIMEOUT for these tests; the default is 60 s
+
+
+def run_fault(launcher, fault, limit):
+    """Run the job in its own session; return (exit code, output, seconds). Kill what is left afterwards."""
+    cmd = launcher_cmd(launcher) + [str(WORKER), "--fault", fault, "--rank", "1", "--at-step", "5"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(HVDP_WATCHDOG_TIMEOUT=str(TIMEOUT)), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        out = "(still running: the job hung)"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        subprocess.run(["pkill", "-KILL", "-f", str(WORKER)])  # a stopped rank may sit outside the group
+        proc.wait()
+    return proc.returncode, out, time.monotonic() - start
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "gloo"])
+def test_hung_rank_is_named_and_the_job_ends(launcher):
+    code, out, seconds = run_fault(launcher, "stop", limit=90)
+    assert code not in (0, None) and "still running" not in out, out[-3000:]
+    assert "rank 1 (last heard" in out and "stopped responding" in out, out[-3000:]
+    assert "rank 0 is at step 5, waiting for the gradient all-reduce" in out, out[-3000:]
+    assert seconds < TIMEOUT + 60, seconds
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "gloo"])
+def test_rank_that_skips_the_collective_is_named(launcher):
+    code, out, seconds = run_fault(launcher, "skip", limit=90)
+    assert code not in (0, None) and "still running" not in out, out[-3000:]
+    assert "rank 1 is alive at step 5, computing its forward/backward pass" in out, out[-3000:]
+    assert "never reached this collective" in out
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "gloo"])
+def test_dead_rank_ends_the_job_naming_it(launcher):
+    code, out, seconds = run_fault(launcher, "kill", limit=60)
+    assert code not in (0, None) and "still running" not in out, out[-3000:]
+    assert seconds < 60
+    assert any(s in out for s in ("Process name: 1", "rank 1 (last heard", "rank 1 with PID")), out[-3000:]
