@@ -76,6 +76,30 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
     return "python (single process)"
 
 
+def gloo_hostname_problem(env: Mapping[str, str], hostname: str, address: str | None) -> str | None:
+    """Why Horovod 0.28.1's Gloo would give the other hosts an unusable address for this rank, or None.
+
+    Gloo connections are set up twice: once for the global context, on the interface horovodrun names in
+    HOROVOD_GLOO_IFACE (--network-interface), and once per process set, including the one every collective
+    uses, where Horovod forgets the interface (GlooContext::InitializeForProcessSet never copies it) and
+    Gloo falls back to the address this machine's hostname resolves to. If that is a loopback address (as
+    with Debian's `127.0.1.1 <hostname>` in /etc/hosts) or nothing, other hosts cannot reach this rank.
+    `address` is what `hostname` resolves to here (None: it does not resolve).
+    """
+    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in env or int(env.get("HOROVOD_CROSS_SIZE", "1") or 1) < 2:
+        return None  # not Gloo, or all ranks on one host: loopback is fine
+    if address is None:
+        return (f"this host's name {hostname!r} does not resolve, and Horovod's Gloo uses it to pick the "
+                f"address other hosts connect to: add it to /etc/hosts with the address of "
+                f"{env.get('HOROVOD_GLOO_IFACE') or 'the interface the hosts share'}")
+    if address.startswith("127.") or address == "::1":
+        return (f"this host's name {hostname!r} resolves to {address}, and Horovod's Gloo gives that address "
+                f"to the other hosts (it ignores --network-interface for process sets): make {hostname!r} "
+                f"resolve to the address of {env.get('HOROVOD_GLOO_IFACE') or 'the shared interface'} "
+                f"(/etc/hosts), or use MPI (horovodrun --mpi)")
+    return None
+
+
 def threads_per_rank(cpu_count: int, local_size: int) -> int:
     """Intra-op threads for each rank so that the ranks on one host do not oversubscribe its cores."""
     return max(1, cpu_count // max(1, local_size))

@@ -6,12 +6,13 @@ import os
 import platform
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 
-from hvdp.core.world import World, detect_launcher
+from hvdp.core.world import World, detect_launcher, gloo_hostname_problem
 
 PACKAGES = ("torch", "tensorflow-cpu", "tensorflow", "keras", "horovod", "mpi4py", "numpy")
 LAUNCH_VARS = re.compile(r"^(HOROVOD_|OMPI_COMM_WORLD_|PMI_|SLURM_(PROCID|NTASKS|LOCALID|JOB_ID|NODELIST))")
@@ -94,11 +95,19 @@ def run(args) -> int:
     seen = {k: v for k, v in sorted(os.environ.items()) if LAUNCH_VARS.match(k)}
     for k, v in seen.items():
         print(f"  {k}={v}")
-    print("\nRunning on several hosts:")
-    print("  horovodrun -np 8 -H host1:4,host2:4 python examples/train_torch.py")
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        address = None
+    gloo = gloo_hostname_problem(os.environ, socket.gethostname(), address)
+    if gloo:
+        problems.append(gloo)
+    print("\nRunning on several hosts (same paths on every host, passwordless ssh between them):")
+    print("  horovodrun -np 8 -H host1:4,host2:4 --network-interface eth1 python examples/train_torch.py")
     print("  horovodrun -np 8 --hostfile hosts.txt python examples/train_torch.py   (lines: 'host1 slots=4')")
-    print("  mpirun -np 8 --hostfile hosts.txt -x PATH -x PYTHONPATH -bind-to none python examples/train_torch.py")
-    print("  sbatch examples/slurm.sbatch        (Slurm; see README)")
+    print("  mpirun -np 8 --hostfile hosts.txt -bind-to none -map-by slot -mca btl_tcp_if_include eth1 \\")
+    print("         -x PATH -x PYTHONPATH python examples/train_torch.py")
+    print("  sbatch examples/slurm.sbatch   or, inside an allocation: srun --mpi=pmix python examples/train_torch.py")
 
     print("\nVerdict:", "OK" if not problems else f"{len(problems)} problem(s)")
     for p in problems:

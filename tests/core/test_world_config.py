@@ -4,7 +4,7 @@ import pytest
 
 from hvdp import TrainConfig, World
 from hvdp.core.errors import ConfigError, HvdpError
-from hvdp.core.world import detect_launcher, threads_per_rank
+from hvdp.core.world import detect_launcher, gloo_hostname_problem, threads_per_rank
 
 
 def test_plain_python_is_size_one():
@@ -90,3 +90,18 @@ def test_runtime_defaults_never_override_the_user():
     assert env[name] == "user-choice" and name not in applied
     fresh: dict = {}
     assert apply_runtime_defaults(fresh) == RUNTIME_DEFAULTS == fresh
+
+
+_GLOO_2HOSTS = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1", "HOROVOD_CROSS_SIZE": "2", "HOROVOD_GLOO_IFACE": "eth1"}
+
+
+@pytest.mark.parametrize("env,address,match", [
+    (_GLOO_2HOSTS, "127.0.1.1", "'node1' resolves to 127.0.1.1"),
+    (_GLOO_2HOSTS, None, "'node1' does not resolve"),
+    (_GLOO_2HOSTS, "10.0.0.2", None),
+    ({**_GLOO_2HOSTS, "HOROVOD_CROSS_SIZE": "1"}, "127.0.0.1", None),  # one host: loopback is right
+    ({}, "127.0.0.1", None),                                            # not Gloo
+])
+def test_gloo_hostname_problem(env, address, match):
+    problem = gloo_hostname_problem(env, "node1", address)
+    assert (problem is None) if match is None else (match in problem and "eth1" in problem)

@@ -78,6 +78,23 @@ def test_doctor_names_launcher_on_every_host(cluster):
         assert f"Launcher: horovodrun (mpi); rank {rank} of 2" in out, out[-3000:]
 
 
+def test_doctor_catches_gloo_hostname_trap(cluster):
+    """The cause of Gloo's cross-host failure: a rank whose hostname does not resolve to its address.
+
+    Started with `ip netns exec` alone, hosta's driver and its local rank keep the machine's hostname,
+    which hosta's /etc/hosts does not know; Horovod's Gloo would hand the other host that name's address
+    (127.0.0.1 on a stock /etc/hosts). doctor must say so on that rank and only there.
+    """
+    argv = ["ip", "netns", "exec", cluster.host("hosta").netns] + horovodrun(cluster, "gloo") + [
+        sys.executable, "-m", "hvdp.tools.cli", "doctor", "--no-build-check"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    problem = [line for line in out.splitlines() if line.startswith("[0]<stdout>:  - this host's name")]
+    assert problem and "does not resolve" in problem[0] and cluster.iface in problem[0], out[-3000:]
+    assert "[1]<stdout>:  - this host's name" not in out, out[-3000:]  # hostb's name resolves to its address
+
+
 def _run_and_cut(cluster, argv, extra: dict, budget: float):
     """Start the job on hosta, cut hostb's link once training runs; return (exit code, seconds, output)."""
     job = subprocess.Popen(cluster.host("hosta").prefix() + argv, cwd=ROOT, env=env(**extra), text=True,
@@ -111,9 +128,9 @@ def test_cut_link_fails_the_job_in_bounded_time(cluster, controller, settings, m
     """hostb's link goes down mid-training (no FIN, no RST: its packets just vanish). The job must end
     non-zero, saying why, within `budget` seconds instead of hanging.
 
-    Measured here: Gloo with HOROVOD_GLOO_TIMEOUT_SECONDS=10 ends ~14 s after the cut (default 30 s: ~34 s);
-    MPI with the oob keepalive above ~16 s; MPI with OpenMPI's defaults (keepalive after 300 s idle) still
-    hung after 150 s.
+    Measured here: Gloo with HOROVOD_GLOO_TIMEOUT_SECONDS=10 ends 14 s after the cut (default 30 s: 34 s);
+    MPI with the oob keepalive above 8.5 s (keepalive_time 10: 16 s); MPI with OpenMPI's defaults
+    (keepalive after 300 s idle) still hung 150 s after the cut.
     """
     try:
         code, seconds, out = _run_and_cut(
@@ -121,6 +138,7 @@ def test_cut_link_fails_the_job_in_bounded_time(cluster, controller, settings, m
             settings, budget)
     finally:
         subprocess.run(["ip", "-n", cluster.host("hostb").netns, "link", "set", cluster.iface, "up"], check=True)
-    print(f"{controller}: exit {code} {seconds:.1f}s after the cut")
+    print(f"{controller}: exit {code} {seconds:.1f}s after the cut;",
+          next((line for line in out.splitlines() if message in line), ""))
     assert code is not None, f"still running {budget}s after the link was cut:\n{out[-4000:]}"
     assert code != 0 and message in out, f"exit {code} after {seconds:.1f}s:\n{out[-5000:]}"
