@@ -11,7 +11,7 @@ import pytest
 from tests.launch import ROOT, env, launcher_cmd
 
 WORKER = Path(__file__).with_name("fault_worker.py")
-TIMEOUT = 10  # HVDP_WATCHDOG_TIMEOUT for these tests; the default is 60 s
+TIMEOUT = 5  # HVDP_WATCHDOG_TIMEOUT for these tests; the default is 60 s
 
 
 def run_fault(launcher, fault, limit):
