@@ -72,6 +72,12 @@ def world() -> World:
     return World.from_horovod(hvd)
 
 
+def barrier() -> None:
+    """Wait until every rank gets here (horovod.tensorflow has no barrier(): a one-number all-reduce is one)."""
+    if hvd.size() > 1:
+        hvd.allreduce(tf.constant(0.0), op=hvd.Sum, name="hvdp.barrier")
+
+
 def _ensure_init() -> World:
     return world() if hvd.is_initialized() else init()
 
@@ -336,6 +342,15 @@ def _rng_variables(model) -> list:
     return [v for v in model.variables if id(v) not in weights]
 
 
+def _local_variables(model, optimizer) -> list:
+    """State that legitimately differs across ranks and so is saved for every rank, not just rank 0's: the
+    seed generators (dropout) and a DistributedOptimizer's local gradient accumulators (mid-accumulation)."""
+    local = _rng_variables(model)
+    if isinstance(optimizer, DistributedOptimizer) and optimizer.backward_passes_per_step > 1 and optimizer.built:
+        local += list(optimizer._accumulators)
+    return local
+
+
 def _trainable(model_or_variables) -> list:
     if isinstance(model_or_variables, (keras.layers.Layer, tf.Module)):
         return list(model_or_variables.trainable_variables)
@@ -539,8 +554,8 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     """Write a checkpoint on rank 0 (atomically) and keep the newest `keep`; every rank must call it.
 
     The file is a NumPy .npz (read back with allow_pickle=False: no code runs on load) holding the model's
-    variables, the optimizer's (its step counter included), every rank's seed-generator state (dropout)
-    and a JSON header: hvdp's metadata, the data position `epoch`/`step` (batches done in that epoch) and
+    variables, the optimizer's (its step counter included), every rank's own state (seed generators, which
+    drive dropout, and pending accumulated gradients) and a JSON header: hvdp's metadata, the data position `epoch`/`step` (batches done in that epoch) and
     `extra` (JSON values). `global_step` names the file. Returns the path on rank 0, None elsewhere.
     """
     try:
@@ -548,9 +563,9 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     except TypeError as e:
         raise ConfigError(f"save_checkpoint extra values must be JSON (numbers, strings, lists, dicts): {e}")
     _build_optimizer(optimizer, model)
-    rng = hvd.allgather_object(_numpy(_rng_variables(model)), name="hvdp.rng")
+    local = hvd.allgather_object(_numpy(_local_variables(model, optimizer)), name="hvdp.local_state")
     if hvd.rank() != 0:
-        hvd.barrier()
+        barrier()
         return None
     weights = _weights(model)
     opt_vars = list(optimizer.variables) if optimizer is not None else []
@@ -562,14 +577,14 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     arrays = {"header": np.array(json.dumps(header))}
     arrays.update({f"model/{i:05d}": a for i, a in enumerate(_numpy(weights))})
     arrays.update({f"optimizer/{i:05d}": a for i, a in enumerate(_numpy(opt_vars))})
-    for r, states in enumerate(rng):
-        arrays.update({f"rng/{r}/{i:05d}": a for i, a in enumerate(states)})
+    for r, states in enumerate(local):
+        arrays.update({f"local/{r}/{i:05d}": a for i, a in enumerate(states)})
     path = Path(directory) / ckpt.checkpoint_name(global_step, "npz")
     try:
         ckpt.write_atomic(path, lambda f: np.savez(f, **arrays))
         ckpt.prune(directory, keep)
     finally:
-        hvd.barrier()
+        barrier()
     return path
 
 
@@ -593,13 +608,13 @@ def _read(path: Path, model, optimizer) -> dict:
     weights = [arrays.get(f"model/{i:05d}") for i in range(len(header["model"]))]
     if any(a is None for a in weights + saved):
         raise CheckpointError(f"{path} is incomplete: arrays listed in its header are missing")
-    rng = {}
+    local: dict = {}
     for key, a in arrays.items():
-        if key.startswith("rng/"):
+        if key.startswith("local/"):
             _, r, i = key.split("/")
-            rng.setdefault(int(r), {})[int(i)] = a
+            local.setdefault(int(r), {})[int(i)] = a
     return {"header": header, "model": weights, "optimizer": saved,
-            "rng": {r: [d[i] for i in sorted(d)] for r, d in rng.items()}}
+            "local": {r: [d[i] for i in sorted(d)] for r, d in local.items()}}
 
 
 def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimizers.Optimizer | None,
@@ -638,10 +653,10 @@ def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimi
     if optimizer is not None:
         for v, a in zip(optimizer.variables, payload["optimizer"]):
             v.assign(a)
-    mine = payload["rng"].get(hvd.rank())
-    rng_vars = _rng_variables(model)
-    if same_world and mine is not None and [a.shape for a in mine] == [tuple(v.shape) for v in rng_vars]:
-        for v, a in zip(rng_vars, mine):
+    mine = payload["local"].get(hvd.rank())
+    local_vars = _local_variables(model, optimizer)
+    if same_world and mine is not None and [a.shape for a in mine] == [tuple(v.shape) for v in local_vars]:
+        for v, a in zip(local_vars, mine):  # this rank's own dropout RNG and pending gradient sums
             v.assign(a)
     if dataset is not None:
         _position(dataset).set(position["epoch"], position["step"])
@@ -657,6 +672,6 @@ def _position(dataset) -> ShardPosition:
     return position
 
 
-__all__ = ["init", "world", "allreduce_gradients", "DistributedGradientTape", "DistributedOptimizer",
+__all__ = ["init", "world", "barrier", "allreduce_gradients", "DistributedGradientTape", "DistributedOptimizer",
            "ScaledSchedule", "scale_learning_rate", "broadcast", "shard", "ShardPosition", "average",
            "check_finite", "evaluate", "log", "check_consistency", "save_checkpoint", "load_checkpoint", "HvdpError"]

@@ -1,0 +1,435 @@
+"""Checks of hvdp.tensorflow and hvdp.keras that need a real job; run under horovodrun by tests/tensorflow/test_tf.py.
+
+Every assertion holds at any world size.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import hvdp.keras as hk  # noqa: E402
+import hvdp.tensorflow as htf  # noqa: E402
+from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, NonFiniteLossError  # noqa: E402
+from hvdp.core.scaling import scaled_lr  # noqa: E402
+from hvdp.core.sharding import ShardPlan  # noqa: E402
+from hvdp.tools import equivalence  # noqa: E402
+from tests.checks import check, main  # noqa: E402
+
+world = htf.init()
+hvd = htf.hvd
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def expect(error, fn, match: str):
+    try:
+        fn()
+    except error as e:
+        assert match in str(e), f"{type(e).__name__} message {str(e)!r} lacks {match!r}"
+        return e
+    raise AssertionError(f"expected {error.__name__} ({match!r}), nothing was raised")
+
+
+def shared_dir(tmp, name) -> Path:
+    return Path(hvd.broadcast_object(str(tmp / name), root_rank=0, name=f"dir.{name}"))
+
+
+# ------------------------------------------------------------------------------------------ equivalence
+
+def _equivalent(framework, optimizer, accumulate):
+    # Adam divides by sqrt(v) + 1e-7, so float32 rounding in gradients near zero reaches the weights scaled
+    # by the learning rate (a one-process emulation of the same sums differs by ~3e-7 per 0.001 of lr):
+    # a smaller rate keeps that noise floor well under the tolerance for Adam.
+    r = equivalence.run(framework, optimizer=optimizer, steps=3, batch_size=8, accumulate=accumulate,
+                        lr=0.005 if optimizer == "adam" else 0.02, seed=3)
+    print(f"[rank {world.rank}] equivalence {r}", file=sys.stderr, flush=True)
+    assert r["size"] == world.size
+    assert r["replicas_identical"], r
+    assert r["max_abs_diff"] <= 1e-5, r
+
+
+@check
+def equivalence_tf_sgd_momentum(tmp):
+    _equivalent("tensorflow", "sgd", 1)
+
+
+@check
+def equivalence_tf_adam_accumulate(tmp):
+    _equivalent("tensorflow", "adam", 2)
+
+
+@check
+def equivalence_keras_sgd_momentum(tmp):
+    _equivalent("keras", "sgd", 1)
+
+
+@check
+def equivalence_keras_adam(tmp):
+    _equivalent("keras", "adam", 1)
+
+
+@check
+def equivalence_keras_sgd_accumulate(tmp):
+    _equivalent("keras", "sgd", 3)
+
+
+@check
+def equivalence_keras_adam_accumulate(tmp):
+    _equivalent("keras", "adam", 2)
+
+
+# ----------------------------------------------------------------------------------------- replicas
+
+def _model(seed, dropout=0.2):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dropout(dropout), keras.layers.Dense(3)])
+
+
+def _data(n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 6)).astype(np.float32), rng.integers(0, 3, n).astype(np.int64)
+
+
+def _fit(model, epochs=2, optimizer=None, callbacks=True, seed=2, **fit_kw):
+    model.compile(optimizer=optimizer or hk.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss=LOSS,
+                  metrics=["accuracy"])
+    data = hk.shard(_data(), batch_size=8, seed=seed)
+    cbs = hk.callbacks(data=data) if callbacks is True else callbacks
+    return model.fit(data, epochs=epochs, verbose=0, callbacks=cbs, **fit_kw)
+
+
+@check
+def replicas_identical_after_fit_with_rank_dependent_init(tmp):
+    model = _model(seed=world.rank)  # rank-dependent weights and dropout seeds: the callbacks must fix the weights
+    _fit(model)
+    htf.check_consistency(model)
+    if world.size > 1:  # the negative control: without the callbacks' broadcast the replicas differ, and we see it
+        model = _model(seed=world.rank)
+        _fit(model, callbacks=[])
+        expect(DivergenceError, lambda: htf.check_consistency(model), "differs from rank 0")
+
+
+@check
+def keras_refuses_plain_optimizer_and_unbuilt_model(tmp):
+    if world.size > 1:
+        model = _model(0)
+        e = expect(ConfigError, lambda: _fit(model, optimizer=keras.optimizers.SGD(0.1)), "DistributedOptimizer")
+        assert "does not average gradients" in str(e)
+    unbuilt = keras.Sequential([keras.layers.Dense(3)])
+    expect(ConfigError, lambda: _fit(unbuilt), "keras.Input")
+    expect(ConfigError, lambda: hk.callbacks(checkpoint_dir=str(tmp)), "needs data=")
+    expect(ConfigError, lambda: hk.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="zip"), "compression")
+    expect(ConfigError, lambda: hk.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0),
+           "backward_passes_per_step")
+
+
+@check
+def fit_with_jit_compile_true_still_averages(tmp):
+    # XLA cannot compile Horovod's ops: the callbacks rebuild the step without it instead of crashing.
+    model = _model(seed=world.rank, dropout=0.0)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=LOSS, jit_compile=True)
+    data = hk.shard(_data(), batch_size=8)
+    model.fit(data, epochs=1, verbose=0, callbacks=hk.callbacks(data=data))
+    assert model.jit_compile is False
+    htf.check_consistency(model)
+
+
+@check
+def divergence_is_named(tmp):
+    model = _model(seed=0)
+    if world.size > 1:
+        if world.rank == world.size - 1:
+            bias = model.layers[-1].bias
+            bias.assign(bias + np.float32(1e-6) * np.eye(3, dtype=np.float32)[0])
+        e = expect(DivergenceError, lambda: htf.check_consistency(model), "differs from rank 0")
+        assert "bias" in str(e) and f"rank(s) [{world.size - 1}]" in str(e), str(e)
+        other = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4 if world.rank == 0 else 5)])
+        expect(DivergenceError, lambda: htf.check_consistency(other), "different model than rank 0")
+
+
+# -------------------------------------------------------------------------------------------- sharding
+
+@check
+def shards_disjoint_covering_reshuffled_whatever_the_global_seed(tmp):
+    n = 101
+    tf.random.set_seed(world.rank)  # a rank-dependent global seed must not change the order (tf.data's shuffle would)
+    np.random.seed(world.rank)
+    data = htf.shard(np.arange(n), batch_size=7, seed=11)
+    size1 = ShardPlan(n=n, batch_size=7 * world.size, seed=11)  # one process with batch N*b
+    epochs = []
+    for epoch in range(3):  # no set_epoch: each iteration is the next epoch
+        mine = [b[0].numpy().tolist() for b in data]
+        everyone = hvd.allgather_object(mine, name="shard.check")
+        assert len({len(m) for m in everyone}) == 1, "every rank takes the same number of steps"
+        for step, big in enumerate(size1.batches(epoch)):
+            union = sorted(i for m in everyone for i in m[step])
+            assert union == sorted(big.tolist()), f"step {step}: union of ranks != the size-1 batch"
+        flat = [i for m in everyone for b in m for i in b]
+        assert sorted(flat) == list(range(n)), "ranks must cover the dataset exactly once"
+        epochs.append(flat)
+    assert epochs[0] != epochs[1] != epochs[2], "the order must change every epoch"
+    data.hvdp_position.set(1)  # what a resume or hvdp.keras does: epoch 1 again, same order
+    again = hvd.allgather_object([b[0].numpy().tolist() for b in data], name="shard.again")
+    assert [i for m in again for b in m for i in b] == epochs[1]
+    kd = hk.shard(np.arange(n), batch_size=7, seed=11)
+    assert int(kd.cardinality()) == size1.steps_per_epoch, "Keras must know how many batches an epoch has"
+
+
+@check
+def fit_follows_fits_epoch_and_reads_each_sample_once(tmp):
+    seen = []
+    n = 48
+    x = np.arange(n, dtype=np.float32)[:, None]
+
+    class Record(keras.layers.Layer):
+        def call(self, inputs):
+            tf.py_function(lambda t: seen.extend(t.numpy().ravel().astype(int).tolist()), [inputs], [])
+            return inputs
+
+    model = keras.Sequential([keras.Input((1,)), Record(), keras.layers.Dense(1)])
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse", run_eagerly=True)
+    data = hk.shard((x, np.zeros(n, np.float32)), batch_size=4, seed=5)
+    model.fit(data, epochs=3, initial_epoch=1, verbose=0, callbacks=hk.callbacks(data=data))
+    everyone = hvd.allgather_object(seen, name="fit.seen")
+    plan = ShardPlan(n=n, batch_size=4 * world.size, seed=5)
+    for epoch in (1, 2):  # fit's epochs 1 and 2, not the dataset's 0 and 1
+        expected = sorted(i for b in plan.batches(epoch) for i in b.tolist())
+        got = sorted(i for s in everyone for i in s[(epoch - 1) * len(s) // 2:epoch * len(s) // 2])
+        assert got == expected
+
+
+# ------------------------------------------------------------------------------- LR, metrics, gradients
+
+@check
+def lr_scaled_and_warmed_up(tmp):
+    w = keras.Variable(np.zeros(1, np.float32))
+    opt = htf.DistributedOptimizer(keras.optimizers.SGD(0.1), warmup_steps=4)
+    used = []
+    for step in range(6):
+        before = float(w.numpy()[0])
+        opt.apply([tf.ones(1)], [w])  # gradient 1 on every rank -> averaged gradient 1
+        used.append(before - float(w.numpy()[0]))
+        expected = scaled_lr(0.1, step, multiplier=world.size, warmup_steps=4)
+        assert abs(used[-1] - expected) < 1e-6, (step, used, expected)
+    assert abs(used[0] - 0.1) < 1e-6, "warmup starts at the base rate"
+    assert abs(used[-1] - 0.1 * world.size) < 1e-6, "and ends at the scaled rate"
+    assert int(opt.iterations) == 6
+    plain = htf.DistributedOptimizer(keras.optimizers.SGD(0.1), lr_scaling="sqrt")
+    assert abs(float(plain.learning_rate) - 0.1 * world.size ** 0.5) < 1e-6
+
+
+@check
+def metrics_averaged_in_fit_logs(tmp):
+    local, averaged = [], []
+
+    class Grab(keras.callbacks.Callback):
+        def __init__(self, into):
+            super().__init__()
+            self.into = into
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.into.append(dict(logs))
+
+    model = _model(seed=0, dropout=0.0)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=LOSS, metrics=["accuracy"])
+    x, y = _data(seed=world.rank)  # different data per rank: different local metrics
+    data = hk.shard((x, y), batch_size=8)
+    model.fit(data, epochs=2, verbose=0, callbacks=[Grab(local), *hk.callbacks(data=data), Grab(averaged)])
+    everyone = hvd.allgather_object(local, name="metrics.local")
+    for epoch in range(2):
+        for key in ("loss", "accuracy"):
+            mean = np.mean([e[epoch][key] for e in everyone])
+            assert abs(averaged[epoch][key] - mean) < 1e-6, (key, averaged, everyone)
+    assert abs(htf.average(world.rank) - (world.size - 1) / 2) < 1e-12
+
+
+@check
+def evaluate_counts_every_sample_once(tmp):
+    model = _model(seed=0)
+    for n in (1, 7, 33, 2 * world.size + 1):
+        x, y = _data(n=n, seed=n)
+        m = htf.evaluate(model, (x, y), batch_size=4)
+        assert m["samples"] == n, m
+        out = model(x, training=False).numpy()
+        assert abs(m["accuracy"] - float(np.mean(out.argmax(1) == y))) < 1e-9
+        assert abs(m["loss"] - float(LOSS(y, out))) < 1e-5
+
+
+@check
+def gradient_tape_averages_and_fp16_trains(tmp):
+    w = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * float(world.rank + 1))
+    grads = htf.DistributedGradientTape(tape).gradient(loss, [w])
+    expected = np.mean([r + 1 for r in range(world.size)])
+    assert np.allclose(grads[0].numpy(), expected), grads
+    model = _model(seed=world.rank, dropout=0.0)
+    history = _fit(model, epochs=3, optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="fp16"))
+    htf.check_consistency(model)
+    assert history.history["loss"][-1] < history.history["loss"][0], history.history
+
+
+@check
+def nonfinite_loss_names_the_rank(tmp):
+    htf.check_finite(1.0, step=3)
+    bad = float("nan") if world.rank == world.size - 1 else 0.5
+    e = expect(NonFiniteLossError, lambda: htf.check_finite(bad, step=7), "not finite at step 7")
+    assert f"rank(s) [{world.size - 1}]" in str(e)
+
+
+@check
+def sync_batchnorm_uses_global_statistics(tmp):
+    keras.utils.set_random_seed(5)
+    full = np.random.default_rng(5).normal(1.0, 3.0, (8 * world.size, 4)).astype(np.float32)
+    mine = full[world.rank * 8:(world.rank + 1) * 8]
+    dense = keras.layers.Dense(4)
+    sync = hk.SyncBatchNormalization()
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, sync(dense(inputs)))
+    htf.broadcast(model)
+    with tf.GradientTape() as tape:
+        out = model(mine, training=True)
+        loss = tf.reduce_sum(out * out)
+    grads = tape.gradient(loss, model.trainable_variables)
+    assert all(g is not None for g in grads), "gradients flow through the all-reduce"
+    bn = keras.layers.BatchNormalization()
+    bn(dense(full), training=True)
+    assert np.allclose(sync.moving_mean.numpy(), bn.moving_mean.numpy(), atol=1e-5)
+    assert np.allclose(sync.moving_variance.numpy(), bn.moving_variance.numpy(), atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+
+def _seed_dropout(model, value):
+    state = model.layers[1].seed_generator.state  # the Dropout layer's RNG: rank-dependent masks, as in real jobs
+    state.assign(np.array([0, value], dtype=state.dtype))
+
+
+def _fresh_keras(seed, rng):
+    model = _model(seed)
+    _seed_dropout(model, rng)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(0.01), warmup_steps=5), loss=LOSS)
+    return model, hk.shard(_data(), batch_size=8, seed=4)
+
+
+@check
+def keras_checkpoint_resume_is_bit_identical(tmp):
+    d = shared_dir(tmp, "keras-resume")
+    model, data = _fresh_keras(0, rng=50 + world.rank)
+    model.fit(data, epochs=3, verbose=0, callbacks=hk.callbacks(data=data))
+    uninterrupted = [w.copy() for w in model.get_weights()]
+
+    model, data = _fresh_keras(0, rng=50 + world.rank)  # the run that stops after epoch 1
+    model.fit(data, epochs=1, verbose=0, callbacks=hk.callbacks(data=data, checkpoint_dir=d))
+    # "restart": other weights, other dropout RNG, a fresh optimizer; fit(epochs=3) resumes from the checkpoint
+    model, data = _fresh_keras(seed=7 + world.rank, rng=999)
+    cbs = hk.callbacks(data=data, checkpoint_dir=d, keep=2)
+    history = model.fit(data, epochs=3, verbose=0, callbacks=cbs)
+    assert cbs[0].resumed is not None and cbs[0].resumed["epoch"] == 1, cbs[0].resumed
+    assert len(history.history["loss"]) == 2, "fit must continue from epoch 1, not start over"
+    for a, b in zip(model.get_weights(), uninterrupted):
+        assert np.array_equal(a, b), "resumed run differs from the uninterrupted one"
+    steps = ShardPlan(n=96, batch_size=8, size=world.size).steps_per_epoch
+    if world.rank == 0:
+        assert sorted(p.name for p in d.iterdir()) == [f"ckpt-{2 * steps:08d}.npz", f"ckpt-{3 * steps:08d}.npz"]
+
+
+def _train_loop(model, opt, data, epochs, directory=None, start=(0, 0), global_step=0):
+    @tf.function
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    for epoch in range(start[0], epochs):
+        for step, (x, y) in enumerate(data, start[1] if epoch == start[0] else 0):
+            step_fn(x, y)
+            global_step += 1
+            if directory and step == 2:  # a mid-epoch checkpoint
+                htf.save_checkpoint(directory, model, opt, epoch=epoch, step=step + 1, global_step=global_step)
+        if directory:
+            htf.save_checkpoint(directory, model, opt, epoch=epoch + 1, step=0, global_step=global_step)
+    return global_step
+
+
+def _fresh_tf(seed):
+    model = _model(seed)
+    opt = htf.DistributedOptimizer(keras.optimizers.Adam(0.01), warmup_steps=5, backward_passes_per_step=2)
+    htf.broadcast(model, opt)
+    return model, opt, htf.shard(_data(), batch_size=8, seed=4)
+
+
+@check
+def tf_checkpoint_resume_mid_epoch_is_bit_identical(tmp):
+    d = shared_dir(tmp, "tf-resume")
+    model, opt, data = _fresh_tf(0)
+    _seed_dropout(model, 50 + world.rank)
+    _train_loop(model, opt, data, epochs=3)
+    uninterrupted = [w.copy() for w in model.get_weights()]
+    for stop_epoch, mid in ((1, False), (2, True)):
+        directory = d / f"{stop_epoch}-{mid}"
+        model, opt, data = _fresh_tf(0)
+        _seed_dropout(model, 50 + world.rank)
+        _train_loop(model, opt, data, epochs=stop_epoch, directory=directory)
+        if mid:  # drop the end-of-epoch checkpoint: resume from the mid-epoch one (inside an accumulation)
+            if world.rank == 0:
+                sorted(directory.glob("ckpt-*.npz"))[-1].unlink()
+            htf.barrier()
+        keras.utils.set_random_seed(999 + world.rank)
+        model, opt, data = _fresh_tf(seed=7 + world.rank)
+        state = htf.load_checkpoint(directory, model, opt, data)
+        assert state is not None and state["step"] == (3 if mid else 0), state
+        _train_loop(model, opt, data, epochs=3, start=(state["epoch"], state["step"]), global_step=state["global_step"])
+        for a, b in zip(model.get_weights(), uninterrupted):
+            assert np.array_equal(a, b), f"differs after resume at {stop_epoch}/{mid}"
+
+
+@check
+def corrupt_truncated_foreign_checkpoints_refused_untouched(tmp):
+    base = shared_dir(tmp, "ckpt-bad")
+    model, opt, data = _fresh_tf(0)
+    htf.save_checkpoint(base / "good", model, opt, epoch=1, step=0, global_step=9)
+    good = base / "good" / "ckpt-00000009.npz"
+    rng = np.random.default_rng(0)
+    cases = {"garbage": lambda b: b"this is not a checkpoint" * 10, "truncated": lambda b: b[: len(b) // 2],
+             "bitflips": lambda b: bytes(x ^ 0xFF if i % 97 == 0 and i > 100 else x for i, x in enumerate(b))}
+    for name, mangle in cases.items():
+        path = base / name / "ckpt-00000009.npz"
+        if world.rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(mangle(good.read_bytes()))
+        htf.barrier()
+        before = path.read_bytes() if world.rank == 0 else None
+        weights = [w.copy() for w in model.get_weights()]
+        expect(CheckpointError, lambda: htf.load_checkpoint(path.parent, model, opt), str(path))
+        if world.rank == 0:
+            assert path.read_bytes() == before, "a refused checkpoint must be left untouched"
+        assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), weights)), "nothing overwritten"
+    other = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    expect(CheckpointError, lambda: htf.load_checkpoint(base / "good", other, None), "different model")
+    sgd = htf.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    expect(CheckpointError, lambda: htf.load_checkpoint(base / "good", model, sgd), "another optimizer")
+    plain = base / "plain" / "ckpt-00000001.npz"
+    evil = base / "evil" / "ckpt-00000001.npz"
+    if world.rank == 0:
+        plain.parent.mkdir(exist_ok=True)
+        np.savez(plain, *model.get_weights())  # an npz, but not hvdp's
+        evil.parent.mkdir(exist_ok=True)
+        np.savez(evil, header=np.array([{"hvdp": rng}], dtype=object))  # needs pickle to load: refused
+    htf.barrier()
+    expect(CheckpointError, lambda: htf.load_checkpoint(plain.parent, model, opt), "cannot read checkpoint")
+    expect(CheckpointError, lambda: htf.load_checkpoint(evil.parent, model, opt), "cannot read checkpoint")
+    assert htf.load_checkpoint(base / "none", model, opt) is None
+
+
+if __name__ == "__main__":
+    main(lambda obj: hvd.allgather_object(obj, name="checks.results"), world.rank)
