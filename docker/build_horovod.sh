@@ -13,11 +13,13 @@ PYTHON="${PYTHON:-python3}"
 pin() { sed -n "s/^$1==//p" "$here/constraints.txt"; }
 HOROVOD_VERSION="$(pin horovod)"
 
-# The key names everything the binary depends on: the installed frameworks, python and the GPU ops.
-key="$("$PYTHON" - "$HOROVOD_VERSION" "${HOROVOD_GPU_OPERATIONS:-cpu}" <<'PY'
+# The key names everything the binary depends on: the installed frameworks, python, the GPU ops and
+# this recipe itself (a new source fix must not reuse a wheel built without it).
+recipe="$(sha256sum "$here/build_horovod.sh" | cut -c1-8)"
+key="$("$PYTHON" - "$HOROVOD_VERSION" "${HOROVOD_GPU_OPERATIONS:-cpu}" "$recipe" <<'PY'
 import platform, sys
 from importlib.metadata import version
-hv, gpu = sys.argv[1:]
+hv, gpu, recipe = sys.argv[1:]
 def tf_version():
     for dist in ("tensorflow-cpu", "tensorflow"):
         try:
@@ -27,7 +29,7 @@ def tf_version():
     return "none"
 tf = tf_version()
 print(f"horovod-{hv}_torch-{version('torch')}_tf-{tf}_cp{sys.version_info.major}{sys.version_info.minor}"
-      f"_{platform.machine()}_{gpu.lower()}")
+      f"_{platform.machine()}_{gpu.lower()}_{recipe}")
 PY
 )"
 cache="${HVDP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdp}/wheels/$key"
@@ -48,7 +50,14 @@ sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLis
 # Fix 2: xla_mpi_ops.cc (a GPU-only XLA custom call) includes tensorflow/compiler/xla headers that
 # TensorFlow >= 2.16 no longer ships; without HOROVOD_ENABLE_XLA_OPS it is never used, so leave it out.
 sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
+# Fix 3: Gloo ignores --network-interface (HOROVOD_GLOO_IFACE) for the contexts the collectives use:
+# GlooContext::InitializeForProcessSet reads its own never-set gloo_iface_, so Gloo falls back to the
+# address the hostname resolves to (127.0.x.x on Debian's default /etc/hosts) and ranks on other hosts
+# cannot connect. Copy the interface from the global context, as timeout_ and hostname_ already are.
+sed -i '/void GlooContext::InitializeForProcessSet/,/CreateDevice/ s/^  device_attr.iface = gloo_iface_;/  gloo_iface_ = global_context.gloo_iface_;\n  device_attr.iface = gloo_iface_;/' \
+    "$src/horovod/common/gloo/gloo_context.cc"
 grep -q 'CMAKE_CXX_STANDARD 14' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt" && { echo "patch failed" >&2; exit 1; }
+grep -q 'gloo_iface_ = global_context.gloo_iface_;' "$src/horovod/common/gloo/gloo_context.cc" || { echo "gloo patch failed" >&2; exit 1; }
 
 mkdir -p "$work/out"
 (

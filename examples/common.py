@@ -74,7 +74,7 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def num_classes(*ys: np.ndarray) -> int:
-    return int(max(int(y.max()) for y in ys)) + 1
+    return max((int(y.max()) for y in ys if len(y)), default=0) + 1
 
 
 def report(result: dict) -> None:

@@ -75,6 +75,7 @@ def main() -> None:
         first = start_step if epoch == start_epoch else 0
         for step, (x, y) in enumerate(hvdp_torch.progress(loader, desc=f"epoch {epoch}", leave=False), first):
             loss = F.cross_entropy(model(x), y)
+            hvdp_torch.check_finite(loss, global_step)  # hvdp: NaN/inf on any rank stops all, naming it
             loss.backward()
             if (step + 1) % cfg.accumulate == 0 or step + 1 == len(loader):
                 optimizer.step()

@@ -270,14 +270,18 @@ def average(value: float | torch.Tensor, name: str | None = None) -> float:
     return float(hvd.allreduce(t, op=hvd.Average, name=name))
 
 
-def check_finite(loss: torch.Tensor, step: int) -> None:
-    """Raise NonFiniteLossError on every rank if the loss is NaN or inf on any rank (which is named)."""
-    bad = torch.tensor([0.0 if math.isfinite(float(loss)) else 1.0])
-    flags = hvd.allgather(bad)
+def check_finite(loss: torch.Tensor | float, step: int) -> None:
+    """Raise NonFiniteLossError on every rank if the loss is NaN or inf on any rank (which is named).
+
+    One 1-element allgather: call it every step, or every few steps where that cost shows.
+    """
+    value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+    bad = torch.tensor([0.0 if math.isfinite(value) else 1.0])
+    flags = hvd.allgather(bad, name="hvdp.check_finite")
     if flags.any():
         ranks = [int(r) for r in torch.nonzero(flags).flatten()]
         raise NonFiniteLossError(
-            f"loss is not finite at step {step} on rank(s) {ranks} (loss on this rank: {float(loss)}); "
+            f"loss is not finite at step {step} on rank(s) {ranks} (loss on this rank: {value}); "
             f"lower the learning rate, enable warmup, or check the data", rank=hvd.rank())
 
 
@@ -301,6 +305,8 @@ def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch
                               float((out.argmax(1) == y).sum()), len(y)], dtype=torch.float64)
     model.train(was_training)
     total = hvd.allreduce(sums, op=hvd.Sum, name="hvdp.evaluate")
+    if total[2] == 0:
+        raise ConfigError("evaluate() was given an empty dataset: nothing to score", rank=hvd.rank())
     return {"loss": float(total[0] / total[2]), "accuracy": float(total[1] / total[2]),
             "samples": int(total[2])}
 
