@@ -104,7 +104,8 @@ class DistributedCallback(keras.callbacks.Callback):
             # Horovod's collectives are not XLA ops: rebuild the step without XLA (fit looks it up every step).
             model.jit_compile = False
             model.make_train_function(force=True)
-        self.resumed = load_checkpoint(self.checkpoint_dir, model, optimizer, self.data) if self.checkpoint_dir else None
+        self.resumed = (load_checkpoint(self.checkpoint_dir, model, optimizer, self.data)
+                        if self.checkpoint_dir else None)
         if self.resumed is not None:
             model._initial_epoch = self.resumed["epoch"]  # as keras.callbacks.BackupAndRestore does
             log(f"resumed from epoch {self.resumed['epoch']} (optimizer step {self.resumed['global_step']}) "

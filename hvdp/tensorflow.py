@@ -525,16 +525,18 @@ def check_consistency(model_or_variables) -> None:
     for rank, other in enumerate(gathered[1:], start=1):
         if [(n, s) for n, s, _ in other] != [(n, s) for n, s, _ in reference]:
             mine = {n: s for n, s, _ in other}
-            first = next(((n, s) for n, s, _ in reference if mine.get(n) != s), None) or (other[len(reference)][0], None)
+            first = (next(((n, s) for n, s, _ in reference if mine.get(n) != s), None)
+                     or (other[len(reference)][0], None))
             raise DivergenceError(
-                f"rank {rank} holds a different model than rank 0: variable {first[0]!r} has shape {mine.get(first[0])} "
-                f"on rank {rank} and {first[1]} on rank 0; every rank must build the same model", rank=hvd.rank())
+                f"rank {rank} holds a different model than rank 0: variable {first[0]!r} has shape "
+                f"{mine.get(first[0])} on rank {rank} and {first[1]} on rank 0; every rank must build the same model",
+                rank=hvd.rank())
     for i, (name, _, h) in enumerate(reference):
         ranks = [r for r, other in enumerate(gathered) if other[i][2] != h]
         if ranks:
             raise DivergenceError(
-                f"replicas diverged: {_label(variables[i])!r} differs from rank 0 on rank(s) {ranks}. Broadcast the initial state "
-                f"(hvdp.tensorflow.broadcast, or hvdp.keras.callbacks) and avoid rank-dependent code paths",
+                f"replicas diverged: {_label(variables[i])!r} differs from rank 0 on rank(s) {ranks}. Broadcast the "
+                f"initial state (hvdp.tensorflow.broadcast, or hvdp.keras.callbacks) and avoid rank-dependent code paths",
                 rank=hvd.rank())
 
 
@@ -555,8 +557,8 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
 
     The file is a NumPy .npz (read back with allow_pickle=False: no code runs on load) holding the model's
     variables, the optimizer's (its step counter included), every rank's own state (seed generators, which
-    drive dropout, and pending accumulated gradients) and a JSON header: hvdp's metadata, the data position `epoch`/`step` (batches done in that epoch) and
-    `extra` (JSON values). `global_step` names the file. Returns the path on rank 0, None elsewhere.
+    drive dropout, and pending accumulated gradients) and a JSON header: hvdp's metadata, the data position
+    `epoch`/`step` (batches done in that epoch) and `extra` (JSON values). `global_step` names the file. Returns the path on rank 0, None elsewhere.
     """
     try:
         json.dumps(extra)

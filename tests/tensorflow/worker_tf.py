@@ -72,11 +72,6 @@ def equivalence_keras_sgd_momentum(tmp):
 
 
 @check
-def equivalence_keras_adam(tmp):
-    _equivalent("keras", "adam", 1)
-
-
-@check
 def equivalence_keras_sgd_accumulate(tmp):
     _equivalent("keras", "sgd", 3)
 
@@ -141,6 +136,32 @@ def fit_with_jit_compile_true_still_averages(tmp):
     model.fit(data, epochs=1, verbose=0, callbacks=hk.callbacks(data=data))
     assert model.jit_compile is False
     htf.check_consistency(model)
+
+
+@check
+def progress_bar_on_rank_0_only_and_model_save_round_trips(tmp):
+    import contextlib
+    import io
+    model = _model(seed=0, dropout=0.0)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(0.01), backward_passes_per_step=2),
+                  loss=LOSS)
+    data = hk.shard(_data(), batch_size=8)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        model.fit(data, epochs=2, verbose=2, callbacks=hk.callbacks(data=data))
+    if world.rank == 0:
+        assert "Epoch 2/2" in out.getvalue() and "loss" in out.getvalue(), out.getvalue()
+    else:
+        assert out.getvalue() == "", f"rank {world.rank} printed {out.getvalue()!r}"
+    path = tmp / f"model-{world.rank}.keras"  # model.save / load_model keep the wrapper and its state
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, hk.DistributedOptimizer)
+    assert loaded.optimizer.backward_passes_per_step == 2
+    assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations)
+    assert float(loaded.optimizer.learning_rate) == float(model.optimizer.learning_rate), "scaled once, not twice"
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        assert np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
 
 
 @check

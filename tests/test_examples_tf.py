@@ -1,0 +1,28 @@
+"""examples/train_keras.py (model.fit) and examples/train_tf.py (custom loop) end to end on the digits data."""
+
+import pytest
+
+from tests.launch import ROOT, result_line, run
+
+SCRIPTS = {"keras": ROOT / "examples" / "train_keras.py", "tensorflow": ROOT / "examples" / "train_tf.py"}
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def _result(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return result_line(proc.stdout)
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "gloo"])
+@pytest.mark.parametrize("framework", ["keras", "tensorflow"])
+def test_example_reaches_accuracy(framework, launcher):
+    result = _result(run(launcher, SCRIPTS[framework], timeout=300, extra_env=QUIET))
+    assert result["framework"] == framework and result["world_size"] == 2
+    assert result["test_accuracy"] >= 0.97, result
+    assert result["test_samples"] == 359  # every test sample counted once, whatever the world size
+    assert {"epochs", "samples_per_sec", "seconds", "test_loss"} <= result.keys()
+
+
+def test_adasum_is_refused_with_the_fix():
+    proc = run("python", SCRIPTS["tensorflow"], "--adasum", "--epochs", "1", np=1, timeout=120, extra_env=QUIET)
+    assert proc.returncode != 0 and "PyTorch adapter only" in proc.stderr
