@@ -536,7 +536,8 @@ def check_consistency(model_or_variables) -> None:
         if ranks:
             raise DivergenceError(
                 f"replicas diverged: {_label(variables[i])!r} differs from rank 0 on rank(s) {ranks}. Broadcast the "
-                f"initial state (hvdp.tensorflow.broadcast, or hvdp.keras.callbacks) and avoid rank-dependent code paths",
+                f"initial state (hvdp.tensorflow.broadcast, or hvdp.keras.callbacks) and avoid rank-dependent "
+                f"code paths",
                 rank=hvd.rank())
 
 
@@ -558,7 +559,8 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     The file is a NumPy .npz (read back with allow_pickle=False: no code runs on load) holding the model's
     variables, the optimizer's (its step counter included), every rank's own state (seed generators, which
     drive dropout, and pending accumulated gradients) and a JSON header: hvdp's metadata, the data position
-    `epoch`/`step` (batches done in that epoch) and `extra` (JSON values). `global_step` names the file. Returns the path on rank 0, None elsewhere.
+    `epoch`/`step` (batches done in that epoch) and `extra` (JSON values). `global_step` names the file.
+    Returns the path on rank 0, None elsewhere.
     """
     try:
         json.dumps(extra)
