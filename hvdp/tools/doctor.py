@@ -38,6 +38,15 @@ def _pins() -> dict[str, str]:
     return dict(line.split("==", 1) for line in path.read_text().split() if "==" in line)
 
 
+def _built_by_hvdp() -> bool:
+    """Whether the installed Horovod is a wheel from hvdp's build (docker/build_horovod.sh) with its fixes."""
+    try:
+        origin = metadata.distribution("horovod").read_text("direct_url.json") or ""
+    except metadata.PackageNotFoundError:
+        return False
+    return "/hvdp/wheels/" in origin or "/wheels/horovod-" in origin
+
+
 def _mpi_version() -> str | None:
     if not shutil.which("mpirun"):
         return None
@@ -100,7 +109,10 @@ def run(args) -> int:
     except OSError:
         address = None
     gloo = gloo_hostname_problem(os.environ, socket.gethostname(), address)
-    if gloo:
+    if gloo and _built_by_hvdp():
+        print(f"  note: {gloo}. This Horovod was built by hvdp (docker/build_horovod.sh fix 3: Gloo keeps the "
+              f"--network-interface for its collectives), so this stock-Horovod trap does not apply here.")
+    elif gloo:
         problems.append(gloo)
     print("\nRunning on several hosts (same paths on every host, passwordless ssh between them):")
     print("  horovodrun -np 8 -H host1:4,host2:4 --network-interface eth1 python examples/train_torch.py")
