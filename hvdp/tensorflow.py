@@ -27,7 +27,6 @@ its callbacks on the functions of this module.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -39,6 +38,7 @@ import keras
 
 from hvdp import _horovod
 from hvdp.core import checkpoint as ckpt
+from hvdp.core import consistency
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
 from hvdp.core.scaling import lr_multiplier, warmup_factor
 from hvdp.core.sharding import ShardPlan, eval_bounds
@@ -517,28 +517,15 @@ def check_consistency(model_or_variables) -> None:
     """Raise DivergenceError on every rank if any model variable differs across ranks, naming the first one
     and the ranks that differ from rank 0. Compares exact bytes, so it catches the smallest drift."""
     variables = _weights(model_or_variables)
-    digest = [(f"{i}:{_name(v)}", tuple(int(s) for s in v.shape),
-               hashlib.sha256(np.ascontiguousarray(keras.ops.convert_to_numpy(v)).tobytes()).hexdigest())
-              for i, v in enumerate(variables)]
-    gathered = hvd.allgather_object(digest, name="hvdp.consistency")
-    reference = gathered[0]
-    for rank, other in enumerate(gathered[1:], start=1):
-        if [(n, s) for n, s, _ in other] != [(n, s) for n, s, _ in reference]:
-            mine = {n: s for n, s, _ in other}
-            first = (next(((n, s) for n, s, _ in reference if mine.get(n) != s), None)
-                     or (other[len(reference)][0], None))
-            raise DivergenceError(
-                f"rank {rank} holds a different model than rank 0: variable {first[0]!r} has shape "
-                f"{mine.get(first[0])} on rank {rank} and {first[1]} on rank 0; every rank must build the same model",
-                rank=hvd.rank())
-    for i, (name, _, h) in enumerate(reference):
-        ranks = [r for r, other in enumerate(gathered) if other[i][2] != h]
-        if ranks:
-            raise DivergenceError(
-                f"replicas diverged: {_label(variables[i])!r} differs from rank 0 on rank(s) {ranks}. Broadcast the "
-                f"initial state (hvdp.tensorflow.broadcast, or hvdp.keras.callbacks) and avoid rank-dependent "
-                f"code paths",
-                rank=hvd.rank())
+    digests = [consistency.digest(f"{i}:{_name(v)}", v.shape,
+                                  np.ascontiguousarray(keras.ops.convert_to_numpy(v)).tobytes())
+               for i, v in enumerate(variables)]
+    problem = consistency.divergence(
+        hvd.allgather_object(digests, name="hvdp.consistency"), labels=[_label(v) for v in variables],
+        fix="Broadcast the initial state (hvdp.tensorflow.broadcast, or hvdp.keras.callbacks) and avoid "
+            "rank-dependent code paths")
+    if problem:
+        raise DivergenceError(problem, rank=hvd.rank())
 
 
 # ----------------------------------------------------------------------------------------- checkpoints

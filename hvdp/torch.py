@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import math
 import os
@@ -29,6 +28,7 @@ import torch.utils.data
 
 from hvdp import _horovod
 from hvdp.core import checkpoint as ckpt
+from hvdp.core import consistency
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
 from hvdp.core.scaling import lr_multiplier, warmup_factor
 from hvdp.core.sharding import ShardPlan, eval_bounds
@@ -326,24 +326,13 @@ def progress(iterable: Iterable, **tqdm_kwargs: Any) -> Iterable:
 def check_consistency(model: torch.nn.Module) -> None:
     """Raise DivergenceError on every rank if any parameter or buffer differs across ranks, naming the first
     one and the ranks that differ from rank 0. Compares exact bytes, so it catches the smallest drift."""
-    digest = [(name, tuple(t.shape), hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest())
-              for name, t in model.state_dict().items()]
-    gathered = hvd.allgather_object(digest, name="hvdp.consistency")
-    reference = gathered[0]
-    for rank, other in enumerate(gathered[1:], start=1):
-        if [(n, s) for n, s, _ in other] != [(n, s) for n, s, _ in reference]:
-            mine = {n: s for n, s, _ in other}
-            first = next(((n, s) for n, s, _ in reference if mine.get(n) != s), None) or (other[len(reference)][0], None)
-            raise DivergenceError(
-                f"rank {rank} holds a different model than rank 0: {first[0]!r} has shape "
-                f"{mine.get(first[0])} on rank {rank} and {first[1]} on rank 0; every rank must build the "
-                f"same model", rank=hvd.rank())
-    for i, (name, _, h) in enumerate(reference):
-        ranks = [r for r, other in enumerate(gathered) if other[i][2] != h]
-        if ranks:
-            raise DivergenceError(
-                f"replicas diverged: {name!r} differs from rank 0 on rank(s) {ranks}. Broadcast the initial "
-                f"state (hvdp.torch.prepare does) and avoid rank-dependent code paths", rank=hvd.rank())
+    digests = [consistency.digest(name, t.shape, t.detach().cpu().contiguous().numpy().tobytes())
+               for name, t in model.state_dict().items()]
+    problem = consistency.divergence(
+        hvd.allgather_object(digests, name="hvdp.consistency"),
+        fix="Broadcast the initial state (hvdp.torch.prepare does) and avoid rank-dependent code paths")
+    if problem:
+        raise DivergenceError(problem, rank=hvd.rank())
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

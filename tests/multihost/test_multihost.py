@@ -78,21 +78,24 @@ def test_doctor_names_launcher_on_every_host(cluster):
         assert f"Launcher: horovodrun (mpi); rank {rank} of 2" in out, out[-3000:]
 
 
-def test_doctor_catches_gloo_hostname_trap(cluster):
-    """The cause of Gloo's cross-host failure: a rank whose hostname does not resolve to its address.
-
-    Started with `ip netns exec` alone, hosta's driver and its local rank keep the machine's hostname,
-    which hosta's /etc/hosts does not know; Horovod's Gloo would hand the other host that name's address
-    (127.0.0.1 on a stock /etc/hosts). doctor must say so on that rank and only there.
-    """
-    argv = ["ip", "netns", "exec", cluster.host("hosta").netns] + horovodrun(cluster, "gloo") + [
-        sys.executable, "-m", "hvdp.tools.cli", "doctor", "--no-build-check"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env())
+def test_gloo_across_hosts_despite_a_loopback_hostname(cluster):
+    """Stock Horovod 0.28.1's Gloo forgets --network-interface for the contexts its collectives use and
+    hands the other host the address this machine's hostname resolves to (loopback or nothing), so the job
+    cannot connect. Started with `ip netns exec` alone, hosta keeps the machine's hostname, which hosta's
+    /etc/hosts does not know. hvdp's build (docker/build_horovod.sh, fix 3) keeps the interface: the job
+    trains, and doctor explains the trap as a note instead of a problem."""
+    prefix = ["ip", "netns", "exec", cluster.host("hosta").netns] + horovodrun(cluster, "gloo")
+    proc = subprocess.run(prefix + [sys.executable, "-m", "hvdp.tools.cli", "doctor", "--no-build-check"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env())
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    problem = [line for line in out.splitlines() if line.startswith("[0]<stdout>:  - this host's name")]
-    assert problem and "does not resolve" in problem[0] and cluster.iface in problem[0], out[-3000:]
-    assert "[1]<stdout>:  - this host's name" not in out, out[-3000:]  # hostb's name resolves to its address
+    note = [line for line in out.splitlines() if line.startswith("[0]<stdout>:  note: this host's name")]
+    assert note and "does not resolve" in note[0] and "fix 3" in note[0], out[-3000:]
+    assert "[1]<stdout>:  note: this host's name" not in out, out[-3000:]  # hostb's name resolves
+    proc = subprocess.run(prefix + [sys.executable, str(SCRIPT), "--epochs", "2"], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT, env=env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert result_line(out)["world_size"] == 2
 
 
 def _run_and_cut(cluster, argv, extra: dict, budget: float):
