@@ -132,9 +132,11 @@ mapfile -t cmd < <(buildah inspect --type image --format '{{range .OCIv1.Config.
 say "running as $user (uid $uid): ${cmd[*]}"
 tr=$SECONDS
 log="$(mktemp)"
-buildah run --isolation chroot --user "$user" "$c" -- "${cmd[@]}" 2>&1 | tee "$log" | grep -E '^(result:|epoch|training)' || true
+# horovodrun's MPI mode prefixes each line with "[1,RANK]<stdout>:".
+buildah run --isolation chroot --user "$user" "$c" -- "${cmd[@]}" 2>&1 | sed -E 's/^\[[0-9]+,[0-9]+\]<std(out|err)>://' \
+    | tee "$log" | grep -E '^(result:|epoch [0-9]+:|training)' || true
 run_s=$((SECONDS - tr))
-result="$(grep '^result: ' "$log" | tail -1)"
+result="$(grep '^result: ' "$log" | tail -1 || true)"
 [[ -n $result ]] || { tail -40 "$log"; rm -f "$log"; die "the job printed no result line"; }
 rm -f "$log"
 "$VPY" - "$result" <<'PY' || die "the job's result is not good enough: $result"
