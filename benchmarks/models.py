@@ -1,6 +1,5 @@
 """The benchmark models, defined here so every implementation trains exactly the same thing (no downloads)."""
 
-import torch
 from torch import nn
 
 # name -> (factory, input shape of one sample, per-rank batch)

@@ -9,7 +9,8 @@ import importlib
 import os
 import socket
 
-from hvdp.core.errors import SetupError
+from hvdp.core import checkpoint as ckpt
+from hvdp.core.errors import CheckpointError, SetupError
 from hvdp.core.tuning import apply_runtime_defaults
 from hvdp.core.watchdog import Watchdog, open_socket
 from hvdp.core.watchdog import settings as watchdog_settings
@@ -99,3 +100,19 @@ def controller(hvd) -> str:
     if hvd.gloo_enabled():
         return "gloo"
     return "none"
+
+
+def read_checkpoint_on_root(hvd, directory, read):
+    """Rank 0 reads the newest checkpoint in `directory` with `read(path)`; every rank gets the payload (None
+    when there is none), or raises the same CheckpointError, so no rank is left waiting for the others."""
+    result: dict = {}
+    if hvd.rank() == 0:
+        path = ckpt.latest_checkpoint(directory)
+        try:
+            result = {"payload": read(path)} if path else {}
+        except CheckpointError as e:
+            result = {"error": str(e)}
+    result = hvd.broadcast_object(result, root_rank=0, name="hvdp.load_checkpoint")
+    if "error" in result:
+        raise CheckpointError(result["error"], rank=hvd.rank())
+    return result.get("payload")

@@ -619,19 +619,9 @@ def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimi
     """
     _ensure_init()
     _build_optimizer(optimizer, model)
-    result: dict = {}
-    if hvd.rank() == 0:
-        path = ckpt.latest_checkpoint(directory)
-        try:
-            result = {"payload": _read(path, model, optimizer)} if path else {}
-        except CheckpointError as e:
-            result = {"error": str(e)}
-    result = hvd.broadcast_object(result, root_rank=0, name="hvdp.load_checkpoint")
-    if "error" in result:
-        raise CheckpointError(result["error"], rank=hvd.rank())
-    if "payload" not in result:
+    payload = _horovod.read_checkpoint_on_root(hvd, directory, lambda path: _read(path, model, optimizer))
+    if payload is None:
         return None
-    payload = result["payload"]
     header, position = payload["header"], payload["header"]["position"]
     same_world = header["hvdp"]["world_size"] == hvd.size()
     if dataset is not None and not same_world and position["step"]:

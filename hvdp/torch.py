@@ -394,19 +394,9 @@ def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimi
     foreign file raises CheckpointError naming it, on every rank. With `loader`, its data order resumes at
     the saved epoch and step. Returns {"epoch", "step", "global_step", **extra}.
     """
-    result: dict = {}
-    if hvd.rank() == 0:
-        path = ckpt.latest_checkpoint(directory)
-        try:
-            result = {"payload": _read(path, model)} if path else {}
-        except CheckpointError as e:
-            result = {"error": str(e)}
-    result = hvd.broadcast_object(result, root_rank=0, name="hvdp.load_checkpoint")
-    if "error" in result:
-        raise CheckpointError(result["error"], rank=hvd.rank())
-    if "payload" not in result:
+    payload = _horovod.read_checkpoint_on_root(hvd, directory, lambda path: _read(path, model))
+    if payload is None:
         return None
-    payload = result["payload"]
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
     position = payload["position"]

@@ -7,6 +7,7 @@ command line, so pytest asserts each check separately and one failure does not h
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 import traceback
@@ -34,3 +35,18 @@ def main(allgather_object, rank: int) -> None:
     if rank == 0:
         merged = {name: {str(r): res[name] for r, res in enumerate(gathered)} for name in CHECKS}
         out.write_text(json.dumps(merged, indent=1))
+
+
+def check_names(worker: Path) -> list[str]:
+    """Names of the @check functions in `worker`, read without importing it (nor its framework)."""
+    tree = ast.parse(Path(worker).read_text())
+    return [f.name for f in tree.body if isinstance(f, ast.FunctionDef)
+            and any(getattr(d, "id", None) == "check" for d in f.decorator_list)]
+
+
+def assert_passed(results: tuple[str, dict], name: str) -> None:
+    """Fail with every rank's traceback if check `name` did not pass on all ranks."""
+    launcher, checks = results
+    assert name in checks, f"{name} did not run under {launcher}"
+    failures = {rank: res for rank, res in checks[name].items() if res != "ok"}
+    assert not failures, f"{name} under {launcher}:\n" + "\n".join(f"rank {r}: {t}" for r, t in failures.items())
