@@ -108,10 +108,13 @@ def run(args) -> int:
     for model in args.models.split(","):
         worker_args = ["--model", model, "--threads", str(args.threads), *steps]
         rows: dict[str, dict] = {}
-        impls = list(TRAIN_IMPLS) + (["horovod-autotune"] if args.autotune else [])
+        impls = list(TRAIN_IMPLS) + (["horovod-autotune"] if args.autotune else []) + \
+            ([] if args.quick else ["hvdp-no-watchdog"])
         for impl in impls:
-            real = {"horovod-tuned": "horovod", "horovod-autotune": "horovod"}.get(impl, impl)
+            real = {"horovod-tuned": "horovod", "horovod-autotune": "horovod", "hvdp-no-watchdog": "hvdp"}.get(impl, impl)
             env = dict(envs.get(impl, raw_env))
+            if impl == "hvdp-no-watchdog":  # what hvdp's watchdog costs per step
+                env["HVDP_WATCHDOG"] = "0"
             if impl == "hvdp" and args.timeline:
                 env["HOROVOD_TIMELINE"] = f"{args.timeline}.{model}.json"
             cmd = _launch(real, args.np, "train_worker.py", ["--impl", real, *worker_args], env,
