@@ -38,7 +38,7 @@ def init(framework: str, timeline: str | None = None):
     """
     hvd = import_horovod(framework)
     launcher = detect_launcher()
-    if launcher.startswith("mpirun") and not hvd.mpi_built():
+    if (launcher.startswith("mpirun") or launcher == "horovodrun (mpi)") and not hvd.mpi_built():
         raise SetupError(
             f"launched by {launcher}, but this Horovod was built without MPI: rebuild it with "
             f"HOROVOD_WITH_MPI=1 (`make setup` does) or launch with `horovodrun --gloo`")
