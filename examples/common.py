@@ -77,8 +77,15 @@ def num_classes(*ys: np.ndarray) -> int:
     return max((int(y.max()) for y in ys if len(y)), default=0) + 1
 
 
-def report(result: dict) -> None:
-    """The examples' last line of output: `result: {json}` (rank 0 only; callers check)."""
+def report(metrics: dict, *, framework: str, world_size: int, epochs: int, samples: int, seconds: float) -> None:
+    """The examples' last line of output: `result: {json}` (rank 0 only; callers check).
+
+    `metrics` is what the adapter's evaluate() returned; `samples` is the training samples of all ranks.
+    """
+    result = {"test_accuracy": round(metrics["accuracy"], 4), "test_loss": round(metrics["loss"], 4),
+              "test_samples": metrics["samples"], "world_size": world_size, "epochs": epochs,
+              "samples_per_sec": round(samples / seconds, 1) if seconds else 0.0, "seconds": round(seconds, 2),
+              "framework": framework}
     print("result: " + json.dumps(result, sort_keys=True), flush=True)
 
 

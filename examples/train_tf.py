@@ -88,10 +88,8 @@ def main() -> None:
         if cfg.save_model:
             weights = {f"w{i:03d}": w for i, w in enumerate(model.get_weights())}
             write_atomic(cfg.save_model, lambda f: np.savez(f, **weights))
-        report({"test_accuracy": round(metrics["accuracy"], 4), "test_loss": round(metrics["loss"], 4),
-                "test_samples": metrics["samples"], "world_size": world.size, "epochs": cfg.epochs,
-                "samples_per_sec": round(samples * world.size / seconds, 1) if seconds else 0.0,
-                "seconds": round(seconds, 2), "framework": "tensorflow"})
+        report(metrics, framework="tensorflow", world_size=world.size, epochs=cfg.epochs,
+               samples=samples * world.size, seconds=seconds)
 
 
 if __name__ == "__main__":

@@ -106,10 +106,8 @@ def main() -> None:
     if world.is_main:  # hvdp: rank 0 saves and reports
         if cfg.save_model:
             write_atomic(Path(cfg.save_model), lambda f: torch.save(model.state_dict(), f))
-        report({"test_accuracy": round(metrics["accuracy"], 4), "test_loss": round(metrics["loss"], 4),
-                "test_samples": metrics["samples"], "world_size": world.size, "epochs": cfg.epochs,
-                "samples_per_sec": round(samples * world.size / seconds, 1) if seconds else 0.0,
-                "seconds": round(seconds, 2), "framework": "torch"})
+        report(metrics, framework="torch", world_size=world.size, epochs=cfg.epochs,
+               samples=samples * world.size, seconds=seconds)
 
 
 if __name__ == "__main__":
