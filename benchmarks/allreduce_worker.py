@@ -68,6 +68,8 @@ def main():
             print("bench: " + json.dumps({"impl": args.impl, "bytes": nbytes, "np": size, "seconds": seconds,
                                           "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (size - 1) / size}),
                   flush=True)
+    if args.impl == "torch-gloo":
+        dist.destroy_process_group()  # exiting with the group alive can abort the process
 
 
 if __name__ == "__main__":

@@ -80,6 +80,9 @@ def main():
             "samples_per_sec": statistics.median(rates), "spread": [min(rates), max(rates)],
             "env": {k: v for k, v in os.environ.items() if k.startswith(("HOROVOD_CYCLE", "HOROVOD_FUSION",
                                                                           "OMPI_MCA_mpi_yield"))}}), flush=True)
+    if args.impl == "ddp":
+        # Exiting with the Gloo process group alive can abort ("terminate called without an active exception").
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
