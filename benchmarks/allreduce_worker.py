@@ -6,9 +6,14 @@ busbw = algbw * 2(n-1)/n (nccl-tests' definition): the bandwidth each link must 
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from teardown import end_gloo_worker  # noqa: E402
 
 
 def main():
@@ -69,7 +74,7 @@ def main():
                                           "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (size - 1) / size}),
                   flush=True)
     if args.impl == "torch-gloo":
-        dist.destroy_process_group()  # exiting with the group alive can abort the process
+        end_gloo_worker(dist)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS  # noqa: E402
+from teardown import end_gloo_worker  # noqa: E402
 
 
 def main():
@@ -81,8 +82,7 @@ def main():
             "env": {k: v for k, v in os.environ.items() if k.startswith(("HOROVOD_CYCLE", "HOROVOD_FUSION",
                                                                           "OMPI_MCA_mpi_yield"))}}), flush=True)
     if args.impl == "ddp":
-        # Exiting with the Gloo process group alive can abort ("terminate called without an active exception").
-        dist.destroy_process_group()
+        end_gloo_worker(dist)
 
 
 if __name__ == "__main__":
