@@ -14,7 +14,7 @@ from hvdp.core.errors import CheckpointError, SetupError
 from hvdp.core.tuning import apply_runtime_defaults
 from hvdp.core.watchdog import Watchdog, open_socket
 from hvdp.core.watchdog import settings as watchdog_settings
-from hvdp.core.world import World, detect_launcher
+from hvdp.core.world import World, detect_launcher, elastic
 
 _FRAMEWORK_MODULES = {"torch": "horovod.torch", "tensorflow": "horovod.tensorflow"}
 
@@ -69,8 +69,8 @@ def _start_watchdog(hvd, world: World) -> None:
     """
     global _watchdog
     enabled, timeout = watchdog_settings()
-    if _watchdog is not None or not enabled or world.size == 1:
-        return
+    if _watchdog is not None or not enabled or world.size == 1 or elastic():
+        return  # an elastic job expects to lose ranks: Horovod's elastic driver handles that, not the watchdog
     if world.local_size == world.size:
         bind, addresses = "127.0.0.1", ["127.0.0.1"]
     else:

@@ -14,13 +14,15 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import math
+import dataclasses
 import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -33,11 +35,12 @@ from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, Hvdp
 from hvdp.core.scaling import lr_multiplier, warmup_factor
 from hvdp.core.sharding import ShardPlan, eval_bounds
 from hvdp.core.watchdog import WAITING
-from hvdp.core.world import World, threads_per_rank
+from hvdp.core.world import World, elastic, threads_per_rank
 
 COMPUTING = "computing its forward/backward pass"
 
 hvd = _horovod.import_horovod("torch")
+from horovod.common.elastic import ObjectState  # noqa: E402  (after import_horovod's clear error)
 
 _OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
 _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
@@ -68,7 +71,11 @@ class _Schedule:
 
     multiplier: float
     warmup_steps: int
+    rule: str = "linear"
+    passes: int = 1         # backward passes (batches) per optimizer step
+    op: str = "average"
     step: int = 0
+    on_step: Any = None     # called with `passes` after each step (an ElasticState counting batches)
     depth: int = 0          # step() nests (Horovod's step calls the base step): act on the outer one
     saved: tuple = ()
 
@@ -113,8 +120,10 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     dist = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), compression=_COMPRESSIONS[compression],
         op=_OPS[op], backward_passes_per_step=backward_passes_per_step)
-    broadcast(model, dist)
-    schedule = _Schedule(multiplier=multiplier, warmup_steps=warmup_steps)
+    if not elastic():
+        broadcast(model, dist)  # under elastic, ElasticState.sync() does it, with the ranks there are then
+    schedule = _Schedule(multiplier=multiplier, warmup_steps=warmup_steps, rule=lr_scaling,
+                         passes=backward_passes_per_step, op=op)
     dist.hvdp_schedule = schedule
     dist.register_step_pre_hook(_pre_step_hook)
     dist.register_step_post_hook(_post_step_hook)
@@ -143,6 +152,8 @@ def _post_step_hook(optimizer, args, kwargs):
         g["lr"] = lr
     s.saved = ()
     s.step += 1
+    if s.on_step is not None:
+        s.on_step(s.passes)
     _horovod.progress(s.step, COMPUTING)
 
 
@@ -225,25 +236,54 @@ def _convert_sync_batchnorm(module: torch.nn.Module) -> None:
 # ------------------------------------------------------------------------------------------------- data
 
 class ShardSampler(torch.utils.data.Sampler):
-    """A batch sampler yielding this rank's batches; each iteration starts the next epoch by itself."""
+    """A batch sampler yielding this rank's batches; each iteration starts the next epoch by itself.
+
+    Its position is (epoch, offset): the next iteration runs `epoch` from `offset` samples into the
+    epoch order. Under an ElasticState it also counts the optimizer steps of the iteration in progress,
+    so that a commit records exactly what was trained on and a resized world carries on from there.
+    """
 
     def __init__(self, plan: ShardPlan):
         self.plan = plan
-        self.epoch = 0
-        self._start_step = 0
+        self.epoch, self.offset = 0, 0
+        self._running: list[int] | None = None  # [epoch, offset, steps, steps trained] of this iteration
 
     def __len__(self) -> int:
-        return self.plan.steps_per_epoch
+        return self.plan.steps_for(self.plan.n - self.offset)
 
     def __iter__(self):
-        epoch, start = self.epoch, self._start_step
-        self.epoch, self._start_step = epoch + 1, 0
-        for batch in self.plan.batches(epoch, start):
+        self._follow_world()
+        epoch, offset = self.epoch, self.offset
+        self.epoch, self.offset = epoch + 1, 0
+        self._running = [epoch, offset, self.plan.steps_for(self.plan.n - offset), 0]
+        for batch in self.plan.batches(epoch, offset=offset):
             yield batch.tolist()
 
     def set_position(self, epoch: int, step: int = 0) -> None:
         """Make the next iteration run `epoch` from batch `step` (used when resuming a checkpoint)."""
-        self.epoch, self._start_step = int(epoch), int(step)
+        self.resume(int(epoch), self.plan.consumed(0, int(step)))
+
+    def resume(self, epoch: int, offset: int) -> None:
+        """Make the next iteration run `epoch` from `offset` samples into its order."""
+        self.epoch, self.offset, self._running = epoch, offset, None
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, offset) of the first sample not trained on yet, counting recorded steps."""
+        if self._running is not None:
+            epoch, offset, steps, trained = self._running
+            if trained < steps:
+                return epoch, self.plan.consumed(offset, trained)
+        return self.epoch, self.offset
+
+    def record_steps(self, batches: int) -> None:
+        """`batches` batches of the iteration in progress were trained on."""
+        if self._running is not None:
+            self._running[3] += batches
+
+    def _follow_world(self) -> None:
+        """Re-split the data when an elastic reset changed this rank's place in the world."""
+        if hvd.is_initialized() and (hvd.rank(), hvd.size()) != (self.plan.rank, self.plan.size):
+            self.plan = dataclasses.replace(self.plan, rank=hvd.rank(), size=hvd.size())
 
 
 def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool = True, seed: int = 0,
@@ -333,6 +373,96 @@ def check_consistency(model: torch.nn.Module) -> None:
         fix="Broadcast the initial state (hvdp.torch.prepare does) and avoid rank-dependent code paths")
     if problem:
         raise DivergenceError(problem, rank=hvd.rank())
+
+
+# -------------------------------------------------------------------------------------------- elastic
+
+class ElasticState(ObjectState):
+    """What an elastic job keeps across a lost or added worker: model, optimizer, data position, extras.
+
+        state = hvdp_torch.ElasticState(model, optimizer, loader, best=0.0)
+
+        @hvdp_torch.elastic_run
+        def train(state):
+            while state.epoch < epochs:
+                for x, y in loader:           # resumes mid-epoch after a reset
+                    ...; optimizer.step()
+                    state.commit()            # or every few steps: a failure rolls back to the last commit
+
+    `optimizer` comes from prepare() and `loader` from shard(). Each optimizer step records the batches
+    it trained on, so a commit holds the exact offset into the epoch's order; after a reset the ranks there
+    are then split the rest of the epoch, and no sample is skipped or seen twice. sync() (run by
+    elastic_run after every reset) broadcasts everything from rank 0 and rescales the learning rate to the
+    new world size by the rule given to prepare().
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 loader: torch.utils.data.DataLoader, **extra: Any):
+        schedule = getattr(optimizer, "hvdp_schedule", None)
+        sampler = getattr(loader, "batch_sampler", None)
+        if schedule is None:
+            raise ConfigError("ElasticState needs the optimizer returned by hvdp.torch.prepare()")
+        if not isinstance(sampler, ShardSampler):
+            raise ConfigError("ElasticState needs the DataLoader returned by hvdp.torch.shard()")
+        if "epoch" in extra:
+            raise ConfigError("`epoch` is kept by ElasticState itself (state.epoch, from the data position); "
+                              "leave it out of the extras")
+        self.model, self.optimizer, self.sampler = model, optimizer, sampler
+        schedule.on_step = sampler.record_steps
+        self._snapshot = self._take()
+        super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, root_rank=0, name="hvdp.elastic"),
+                         get_rank=hvd.rank, **extra)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch training is in (or starts next): the loop condition of an elastic training function."""
+        return self.sampler.position()[0]
+
+    def _take(self) -> dict:
+        s = self.optimizer.hvdp_schedule
+        return {"model": copy.deepcopy(self.model.state_dict()),
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "schedule": (s.step, s.multiplier), "position": self.sampler.position()}
+
+    def save(self) -> None:
+        self._snapshot = self._take()
+        super().save()
+
+    def restore(self) -> None:
+        snap = self._snapshot
+        self.model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        s = self.optimizer.hvdp_schedule
+        s.step, s.multiplier = snap["schedule"]
+        self.sampler.resume(*snap["position"])
+        super().restore()
+
+    def reset(self) -> None:
+        # After a reset the next iteration starts where training is, not at the next epoch.
+        self.sampler.resume(*self.sampler.position())
+
+    def sync(self) -> None:
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        # The whole optimizer state as one object: a worker that just joined has none yet, and Horovod's
+        # broadcast_optimizer_state would make it take a zero-gradient step to create it.
+        s = self.optimizer.hvdp_schedule
+        opt_state, (step, multiplier), position = hvd.broadcast_object(
+            (self.optimizer.state_dict(), (s.step, s.multiplier), self.sampler.position()),
+            root_rank=0, name="hvdp.elastic.sync")
+        self.optimizer.load_state_dict(opt_state)
+        s.multiplier = lr_multiplier(s.rule, hvd.size(), backward_passes_per_step=s.passes, op=s.op)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] / multiplier * s.multiplier
+        s.step = step
+        self.sampler.resume(*position)
+        super().sync()
+        self._snapshot = self._take()  # what a failure before the next commit rolls back to
+
+
+def elastic_run(train: Callable) -> Callable:
+    """Horovod's elastic loop around `train(state, ...)`: on a lost worker, roll back to the last commit,
+    re-form the world with the survivors (and any host that was added), sync from rank 0, and call again."""
+    return hvd.elastic.run(train)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -431,4 +561,4 @@ def _read(path: Path, model: torch.nn.Module) -> dict:
 
 __all__ = ["init", "world", "prepare", "broadcast", "current_lr", "shard", "ShardSampler", "average",
            "evaluate", "log", "progress", "SyncBatchNorm", "check_consistency", "check_finite", "save_checkpoint",
-           "load_checkpoint", "HvdpError"]
+           "load_checkpoint", "ElasticState", "elastic_run", "HvdpError"]

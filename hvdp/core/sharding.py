@@ -3,7 +3,9 @@
 The epoch order is a permutation that depends only on (seed, epoch): not on the world size, not on any
 global RNG. Step j of the epoch consumes the global batch order[j*N*b : (j+1)*N*b], and rank r takes the
 r-th contiguous slice of it. So at every step a size-1 run with batch N*b sees exactly the union of what N
-ranks see with batch b, and ranks never see the same sample within an epoch.
+ranks see with batch b, and ranks never see the same sample within an epoch. Training so far in an epoch is
+therefore one number, the offset into its order: an elastic job that changes size mid-epoch splits the
+rest, order[offset:], among the ranks it has now, and no sample is skipped or seen twice.
 
 Evaluation shards are contiguous, unshuffled and unpadded, so summed metrics count every sample once.
 """
@@ -64,17 +66,32 @@ class ShardPlan:
 
     @property
     def steps_per_epoch(self) -> int:
-        full, rest = divmod(self.n, self.global_batch)
+        return self.steps_for(self.n)
+
+    def steps_for(self, count: int) -> int:
+        """How many steps `count` samples of the epoch order take, global batch by global batch."""
+        full, rest = divmod(count, self.global_batch)
         return full + (1 if rest and not self.drop_last else 0)
 
-    def batch(self, epoch: int, step: int, order: np.ndarray | None = None) -> np.ndarray:
-        """The sample indices this rank uses at `step` of `epoch`."""
-        if not 0 <= step < self.steps_per_epoch:
-            raise IndexError(f"step {step} outside epoch of {self.steps_per_epoch} steps")
+    def consumed(self, offset: int, steps: int) -> int:
+        """How far into the epoch order training is after `steps` steps taken from `offset`."""
+        return min(self.n, offset + steps * self.global_batch)
+
+    def batch(self, epoch: int, step: int, order: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
+        """The sample indices this rank uses at `step` of `epoch`, counting steps from `offset`.
+
+        `offset` is how many samples of the epoch order were already trained on, by a world of any size:
+        after an elastic resize, the rest of the epoch is split among the ranks there are now.
+        """
         if order is None:
             order = epoch_order(self.n, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        if not 0 <= offset <= self.n:
+            raise IndexError(f"offset {offset} outside an epoch of {self.n} samples")
+        rest = order[offset:]
+        if not 0 <= step < self.steps_for(len(rest)):
+            raise IndexError(f"step {step} outside the {self.steps_for(len(rest))} steps left in the epoch")
         lo = step * self.global_batch
-        chunk = order[lo:lo + self.global_batch]
+        chunk = rest[lo:lo + self.global_batch]
         if len(chunk) == self.global_batch:
             return chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         # The last, partial global batch: split as evenly as possible. If it has fewer samples than
@@ -84,11 +101,11 @@ class ShardPlan:
         start, stop = _split(len(chunk), self.size, self.rank)
         return chunk[start:stop]
 
-    def batches(self, epoch: int, start_step: int = 0):
-        """Yield this rank's batches of `epoch`, from `start_step` (to resume mid-epoch)."""
+    def batches(self, epoch: int, start_step: int = 0, offset: int = 0):
+        """Yield this rank's batches of `epoch` from `offset` samples in, skipping `start_step` steps."""
         order = epoch_order(self.n, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
-        for step in range(start_step, self.steps_per_epoch):
-            yield self.batch(epoch, step, order)
+        for step in range(start_step, self.steps_for(self.n - offset)):
+            yield self.batch(epoch, step, order, offset)
 
 
 def eval_bounds(n: int, rank: int, size: int) -> tuple[int, int]:

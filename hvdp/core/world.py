@@ -76,6 +76,11 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
     return "python (single process)"
 
 
+def elastic(environ: Mapping[str, str] | None = None) -> bool:
+    """True when horovodrun started this process in elastic mode (--min-np/--max-np/--host-discovery-script)."""
+    return (os.environ if environ is None else environ).get("HOROVOD_ELASTIC") == "1"
+
+
 def gloo_hostname_problem(env: Mapping[str, str], hostname: str, address: str | None) -> str | None:
     """Why Horovod 0.28.1's Gloo would give the other hosts an unusable address for this rank, or None.
 

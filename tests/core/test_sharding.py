@@ -76,6 +76,27 @@ def test_tail_smaller_than_world_is_topped_up():
     assert sorted(set(all_seen.tolist())) == list(range(9))
 
 
+@pytest.mark.parametrize("n,b,before,after,steps_before", [
+    (240, 4, 2, 1, 7), (240, 4, 1, 2, 5), (100, 3, 2, 3, 4), (97, 5, 3, 2, 1), (50, 4, 2, 1, 0)])
+def test_resize_mid_epoch_covers_the_rest_exactly_once(n, b, before, after, steps_before):
+    """An elastic job trains `steps_before` steps on `before` ranks, then the rest of the epoch on `after`
+    ranks from the offset reached: every sample of the epoch is trained on exactly once."""
+    old = plans(n, b, before, seed=4)
+    trained = [p.batch(1, step) for step in range(steps_before) for p in old]
+    offset = old[0].consumed(0, steps_before)
+    assert offset == min(n, steps_before * b * before)
+    new = plans(n, b, after, seed=4)
+    steps = {p.steps_for(n - offset) for p in new}
+    assert len(steps) == 1, "every rank must run the same number of steps"
+    trained += [batch for p in new for batch in p.batches(1, offset=offset)]
+    assert sorted(np.concatenate(trained).tolist()) == list(range(n))
+
+
+def test_offset_outside_the_epoch_is_an_error():
+    with pytest.raises(IndexError, match="offset 65 outside an epoch of 64 samples"):
+        ShardPlan(n=64, batch_size=4).batch(0, 0, offset=65)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(n=1, batch_size=1, rank=0, size=2), "1 samples but the job has 2 ranks"),
     (dict(n=10, batch_size=6, rank=0, size=2), r"batch_size \(6\) is larger than each rank's shard"),

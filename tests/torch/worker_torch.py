@@ -240,6 +240,51 @@ def average_and_nonfinite(tmp):
     assert f"rank(s) [{world.size - 1}]" in str(e)
 
 
+# -------------------------------------------------------------------------------------------- elastic
+
+@check
+def elastic_state_commit_restore_sync(tmp):
+    """restore() rolls model, optimizer, warmup step and data position back to the last commit; the next
+    iteration resumes at the committed offset; sync() keeps replicas identical (the resize itself is
+    tests/multihost/test_elastic.py). Wrong arguments are clear errors."""
+    model, opt, loader = _fresh(seed=world.rank)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    expect(ConfigError, lambda: ht.ElasticState(model, plain, loader), "optimizer returned by hvdp.torch.prepare()")
+    expect(ConfigError, lambda: ht.ElasticState(model, opt, [1, 2]), "DataLoader returned by hvdp.torch.shard()")
+    expect(ConfigError, lambda: ht.ElasticState(model, opt, loader, epoch=3), "`epoch` is kept by ElasticState")
+    state = ht.ElasticState(model, opt, loader, best=0.0)
+    state.sync()  # what elastic_run does first: rank 0's model everywhere (prepare skips its broadcast only
+    ht.check_consistency(model)  # under HOROVOD_ELASTIC, so here the model was already identical)
+    lr = opt.param_groups[0]["lr"]
+    plan = loader.batch_sampler.plan
+    batches = iter(loader)
+    for _ in range(2):
+        x, y = next(batches)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    state.best = 0.5
+    state.commit()
+    committed = copy.deepcopy(model.state_dict())
+    assert state.epoch == 0 and loader.batch_sampler.position() == (0, 2 * plan.global_batch)
+    for _ in range(3):
+        x, y = next(batches)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    state.best = 0.9
+    assert loader.batch_sampler.position() == (0, 5 * plan.global_batch)
+    state.restore()
+    assert state.best == 0.5 and opt.hvdp_schedule.step == 2
+    assert all(torch.equal(committed[k], v) for k, v in model.state_dict().items()), "model not rolled back"
+    first = next(iter(loader))[1]
+    expected = _data()[plan.batch(0, 2)][1]
+    assert torch.equal(first, expected), "the next iteration must start at the committed offset"
+    state.sync()
+    assert opt.param_groups[0]["lr"] == lr, "same world size: the learning rate must not change"
+    ht.check_consistency(model)
+
+
 # ---------------------------------------------------------------------------------------- checkpoints
 
 def _train(model, opt, loader, epochs, directory=None, start=(0, 0), global_step=0):

@@ -1,0 +1,77 @@
+"""Elastic training worker for test_elastic.py, through hvdp.torch's ElasticState and elastic_run.
+
+Every committed step records, in the elastic state itself, which samples it trained on (all ranks'
+batches, allgathered), so the final state says exactly what the final model learned from: the test checks
+that each epoch covers every sample exactly once although the world changed size mid-epoch. Rank 0 appends
+a progress line per step to --progress (the test watches it to act mid-epoch) and writes --result at the end.
+"""
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+import hvdp.torch as ht
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--samples", type=int, default=240)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--progress", required=True)
+    p.add_argument("--result", required=True)
+    p.add_argument("--until-readmitted", action="store_true",
+                   help="keep training past --epochs until the world has shrunk and grown back")
+    args = p.parse_args()
+
+    ht.init()
+    hvd = ht.hvd
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.samples, 8, generator=g)
+    y = (x.sum(1) > 0).long()
+    data = torch.utils.data.TensorDataset(x, y, torch.arange(args.samples))
+    model = torch.nn.Linear(8, 2)
+    optimizer = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
+    loader = ht.shard(data, batch_size=args.batch_size)
+    state = ht.ElasticState(model, optimizer, loader, seen={}, sizes=[], lrs={})
+
+    def readmitted(sizes):
+        return any(a > b < c for a, b, c in zip(sizes, sizes[1:], sizes[2:]))
+
+    @ht.elastic_run
+    def train(state):
+        size = hvd.size()
+        if not state.sizes or state.sizes[-1] != size:
+            state.sizes.append(size)
+        state.lrs[size] = optimizer.param_groups[0]["lr"]
+        def more():
+            if loader.batch_sampler.position()[1]:
+                return True  # finish the epoch a reset interrupted
+            return state.epoch < args.epochs or (args.until_readmitted and not readmitted(state.sizes))
+
+        while more():
+            for xb, yb, idx in loader:
+                epoch = state.epoch
+                optimizer.zero_grad()
+                F.cross_entropy(model(xb), yb).backward()
+                optimizer.step()
+                batches = hvd.allgather_object(idx.tolist(), name="test.seen")
+                state.seen.setdefault(epoch, []).extend(i for b in batches for i in b)
+                if hvd.rank() == 0:
+                    with open(args.progress, "a") as f:
+                        f.write(json.dumps({"size": size, "epoch": epoch, "offset": loader.batch_sampler.position()[1]}) + "\n")
+                state.commit()
+
+    train(state)
+    if hvd.size() > 1:
+        ht.check_consistency(model)
+    if hvd.rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump({"sizes": state.sizes, "lrs": state.lrs, "seen": state.seen, "samples": args.samples}, f)
+
+
+if __name__ == "__main__":
+    main()

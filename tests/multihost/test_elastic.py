@@ -1,0 +1,101 @@
+"""Elastic training across the namespace hosts: a worker is killed mid-epoch, the survivor carries on
+alone, and the host is re-admitted when it comes back; no sample of an epoch is skipped or seen twice.
+
+The job is `horovodrun --min-np 1 --max-np 2 --host-discovery-script ...` started on hosta; the discovery
+script prints the hosts listed in a file the test edits, as a cluster manager's script would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch import HOROVODRUN, ROOT, env
+
+pytestmark = [pytest.mark.multihost, pytest.mark.elastic]
+
+WORKER = Path(__file__).with_name("elastic_worker.py")
+
+
+def _log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _wait(what: str, ready, job, out: list[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert job.poll() is None, f"the job ended (exit {job.returncode}) waiting for {what}:\n{''.join(out)[-5000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout}s:\n{''.join(out)[-5000:]}"
+        time.sleep(0.1)
+
+
+def _kill_worker(cluster, host: str) -> int:
+    """SIGKILL the training process on `host` (not its ssh session): a worker dying as in an OOM kill."""
+    listed = subprocess.run(["ip", "netns", "pids", cluster.host(host).netns], capture_output=True, text=True)
+    for pid in map(int, listed.stdout.split()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if any(arg.endswith(b"elastic_worker.py") for arg in cmdline) and b"python" in cmdline[0]:
+            os.kill(pid, signal.SIGKILL)
+            return pid
+    raise AssertionError(f"no elastic worker process found on {host}")
+
+
+def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_path):
+    samples = 240
+    hosts = tmp_path / "hosts"
+    hosts.write_text("hosta:1\nhostb:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    log, result = tmp_path / "progress.jsonl", tmp_path / "result.json"
+    argv = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(discover),
+            "--network-interface", cluster.iface, "--blacklist-cooldown-range", "2", "4",
+            sys.executable, str(WORKER), "--samples", str(samples), "--epochs", "3", "--until-readmitted",
+            "--progress", str(log), "--result", str(result)]
+    job = subprocess.Popen(cluster.host("hosta").prefix() + argv, cwd=ROOT, env=env(), text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(job.stdout), daemon=True)
+    reader.start()
+    try:
+        # Mid-epoch 1 on two ranks: kill hostb's worker and take hostb out of discovery (the host is lost).
+        _wait("two-rank training in epoch 1",
+              lambda: any(r["size"] == 2 and r["epoch"] == 1 and r["offset"] >= 40 for r in _log(log)), job, out)
+        hosts.write_text("hosta:1\n")
+        _kill_worker(cluster, "hostb")
+        killed_at = len(_log(log))
+        _wait("training on the survivor alone",
+              lambda: sum(r["size"] == 1 for r in _log(log)[killed_at:]) >= 10, job, out)
+        # The host comes back: once its blacklist cool-down is over, the driver starts a worker there again.
+        hosts.write_text("hosta:1\nhostb:1\n")
+        code = job.wait(timeout=240)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        reader.join(10)
+    text = "".join(out)
+    assert code == 0, f"exit {code}:\n{text[-6000:]}"
+    final = json.loads(result.read_text())
+    sizes = final["sizes"]
+    print(f"world sizes: {sizes}; steps logged: {len(_log(log))}; lr by size: {final['lrs']}")
+    assert sizes[:3] == [2, 1, 2], f"expected 2 ranks, then 1 after the kill, then 2 again: {sizes}"
+    # The linear rule follows the world: the learning rate is 0.01 x the ranks there are.
+    assert final["lrs"] == {"1": pytest.approx(0.01), "2": pytest.approx(0.02)}, final["lrs"]
+    # Every epoch, including the one interrupted mid-way, trained on each sample exactly once.
+    assert len(final["seen"]) >= 3
+    for epoch, seen in final["seen"].items():
+        assert sorted(seen) == list(range(samples)), (
+            f"epoch {epoch}: {len(seen)} samples trained, {len(set(seen))} distinct, "
+            f"missing {sorted(set(range(samples)) - set(seen))[:10]}")
