@@ -121,6 +121,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
         optimizer, named_parameters=model.named_parameters(), compression=_COMPRESSIONS[compression],
         op=_OPS[op], backward_passes_per_step=backward_passes_per_step)
     if not elastic():
+        _check_same_model(model)
         broadcast(model, dist)  # under elastic, ElasticState.sync() does it, with the ranks there are then
     schedule = _Schedule(multiplier=multiplier, warmup_steps=warmup_steps, rule=lr_scaling,
                          passes=backward_passes_per_step, op=op)
@@ -371,6 +372,16 @@ def check_consistency(model: torch.nn.Module) -> None:
     problem = consistency.divergence(
         hvd.allgather_object(digests, name="hvdp.consistency"),
         fix="Broadcast the initial state (hvdp.torch.prepare does) and avoid rank-dependent code paths")
+    if problem:
+        raise DivergenceError(problem, rank=hvd.rank())
+
+
+def _check_same_model(model: torch.nn.Module) -> None:
+    """Raise DivergenceError on every rank, naming the rank and the tensor, if the ranks built models of
+    different shapes. (Horovod would fail the first broadcast with "One rank sent a tensor of shape [3], but
+    another rank sent ... [4]": neither the rank nor the tensor.) One small allgather, no tensor data."""
+    shapes = [consistency.digest(name, t.shape, b"") for name, t in model.state_dict().items()]
+    problem = consistency.divergence(hvd.allgather_object(shapes, name="hvdp.model_shapes"), fix="")
     if problem:
         raise DivergenceError(problem, rank=hvd.rank())
 

@@ -93,3 +93,17 @@ def test_horovod_without_the_framework_says_how_to_fix():
     code = "import sys; sys.modules['horovod.torch'] = None; import hvdp.torch"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT)
     failed(proc, "was not built with PyTorch: run `make setup`")
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+def test_mpi_launch_of_a_horovod_built_without_mpi_says_how_to_fix(launcher):
+    """Real mpirun / horovodrun (MPI mode) launches; Horovod's answer to mpi_built() is replaced by the one a
+    Gloo-only build gives (building a second Horovod here would take 8 minutes)."""
+    code = ("import horovod.torch as hvd; hvd.mpi_built = lambda: False; import hvdp.torch as ht; ht.init(); "
+            "print('initialised')")
+    prefix = (["mpirun", "--allow-run-as-root", "-np", "1"] if launcher == "mpirun"
+              else [str(Path(sys.executable).with_name("horovodrun")), "--mpi", "-np", "1"])
+    proc = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT,
+                          timeout=120)
+    failed(proc, "this Horovod was built without MPI: rebuild it with HOROVOD_WITH_MPI=1")
+    assert "initialised" not in proc.stdout

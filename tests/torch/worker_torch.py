@@ -106,6 +106,18 @@ def divergence_is_named(tmp):
 # -------------------------------------------------------------------------------------------- sharding
 
 @check
+def mismatched_models_are_named_not_hung(tmp):
+    """A rank that builds a different model fails prepare() on every rank, naming the rank and tensor."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16 + (world.rank == world.size - 1)))
+    if world.size == 1:
+        ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return
+    e = expect(DivergenceError, lambda: ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+               f"rank {world.size - 1} holds a different model than rank 0: '0.weight' has shape (17, 6)")
+    assert "(16, 6) on rank 0" in str(e), str(e)
+
+
+@check
 def shards_disjoint_covering_reshuffled(tmp):
     n = 101
     torch.manual_seed(world.rank)  # a rank-dependent global seed must not change the order
