@@ -270,20 +270,20 @@ def elastic_state_commit_restore_sync(tmp):
     lr = opt.param_groups[0]["lr"]
     plan = loader.batch_sampler.plan
     batches = iter(loader)
-    for _ in range(2):
-        x, y = next(batches)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+
+    def steps(k):
+        for _ in range(k):
+            x, y = next(batches)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    steps(2)
     state.best = 0.5
     state.commit()
     committed = copy.deepcopy(model.state_dict())
     assert state.epoch == 0 and loader.batch_sampler.position() == (0, 2 * plan.global_batch)
-    for _ in range(3):
-        x, y = next(batches)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    steps(3)
     state.best = 0.9
     assert loader.batch_sampler.position() == (0, 5 * plan.global_batch)
     state.restore()
