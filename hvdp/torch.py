@@ -445,6 +445,7 @@ class ElasticState(ObjectState):
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         s = self.optimizer.hvdp_schedule
         s.step, s.multiplier = snap["schedule"]
+        s.depth, s.saved = 0, ()  # a step that raised never ran its post-step hook
         self.sampler.resume(*snap["position"])
         super().restore()
 

@@ -62,7 +62,8 @@ def main():
                 state.seen.setdefault(epoch, []).extend(i for b in batches for i in b)
                 if hvd.rank() == 0:
                     with open(args.progress, "a") as f:
-                        f.write(json.dumps({"size": size, "epoch": epoch, "offset": loader.batch_sampler.position()[1]}) + "\n")
+                        f.write(json.dumps({"size": size, "epoch": epoch, "offset": loader.batch_sampler.position()[1],
+                                            "batches": batches}) + "\n")
                 state.commit()
 
     train(state)

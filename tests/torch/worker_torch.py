@@ -292,6 +292,19 @@ def elastic_state_commit_restore_sync(tmp):
     first = next(iter(loader))[1]
     expected = _data()[plan.batch(0, 2)][1]
     assert torch.equal(first, expected), "the next iteration must start at the committed offset"
+    # A step that raises, as Horovod's does when a peer dies mid-allreduce, skips the post-step hooks;
+    # after restore() the steps must count again (they did not: the position froze and an epoch ended early).
+    def die(*_):
+        opt.synchronize()  # let this step's all-reduces finish (a real reset would shut Horovod down)
+        raise RuntimeError("peer lost")
+    hook = opt.register_step_pre_hook(die)
+    batches = iter(loader)
+    expect(RuntimeError, lambda: steps(1), "peer lost")
+    hook.remove()
+    state.restore()
+    batches = iter(loader)
+    steps(1)
+    assert loader.batch_sampler.position() == (0, 3 * plan.global_batch), loader.batch_sampler.position()
     state.sync()
     assert opt.param_groups[0]["lr"] == lr, "same world size: the learning rate must not change"
     ht.check_consistency(model)
