@@ -18,6 +18,10 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     assert set(training["samples_per_sec"]) >= {"hvdp", "ddp", "horovod"}
     assert all(v > 0 for v in training["samples_per_sec"].values())
     assert 0 < training["scaling_efficiency"] < 2
+    cnn = training["models"]["cnn"]
+    assert cnn["independent_samples_per_sec_per_rank"] > 0
+    assert cnn["fraction_of_independent"]["hvdp"] == (cnn["samples_per_sec_per_rank"]["hvdp"]
+                                                      / cnn["independent_samples_per_sec_per_rank"])
     allreduce = report["allreduce"]
     assert allreduce["memcpy_GBps"] > 0
     impls = {r["impl"] for r in allreduce["results"]}

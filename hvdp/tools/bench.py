@@ -72,6 +72,21 @@ def _run(cmd: list[str], env: dict, timeout: float = 600) -> list[dict]:
     return found
 
 
+def _run_side_by_side(cmd: list[str], env: dict, n: int, timeout: float = 600) -> dict:
+    """`n` copies of a single-process run at once, no communication: the most each rank of an n-rank job
+    could reach on this machine (they share its cores, caches and memory bandwidth)."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for _ in range(n)]
+    rates = []
+    for proc in procs:
+        out = proc.communicate(timeout=timeout)[0]
+        at = out.rfind("bench: ")
+        if proc.returncode != 0 or at < 0:
+            raise RuntimeError(f"benchmark failed ({proc.returncode}): {' '.join(cmd)}\n{out[-3000:]}")
+        rates.append(json.JSONDecoder().raw_decode(out[at + len("bench: "):])[0]["samples_per_sec"])
+    return {"samples_per_sec": statistics.mean(rates), "spread": [min(rates), max(rates)]}
+
+
 def memcpy_gbps(nbytes: int = 64 << 20, reps: int = 10) -> float:
     """This machine's memory copy bandwidth (bytes copied per second), the physical reference."""
     import numpy as np
@@ -121,7 +136,10 @@ def run(args) -> int:
                           autotune=impl == "horovod-autotune")
             print(f"[bench] {model}: {impl} np={args.np} ...", file=sys.stderr, flush=True)
             rows[impl] = _run(cmd, env)[0]
-        alone = _run(_launch("alone", 1, "train_worker.py", ["--impl", "alone", *worker_args], raw_env), raw_env)[0]
+        alone_cmd = _launch("alone", 1, "train_worker.py", ["--impl", "alone", *worker_args], raw_env)
+        alone = _run(alone_cmd, raw_env)[0]
+        print(f"[bench] {model}: {args.np} independent processes side by side ...", file=sys.stderr, flush=True)
+        ceiling = _run_side_by_side(alone_cmd, raw_env, args.np)
         if not args.quick:  # each implementation alone (np=1) too, not only the plain process
             for impl in ("hvdp", "horovod", "ddp"):
                 one = _run(_launch(impl, 1, "train_worker.py", ["--impl", impl, *worker_args], raw_env), raw_env)[0]
@@ -132,6 +150,10 @@ def run(args) -> int:
             "samples_per_sec": {k: v * args.np for k, v in per_rank.items()},
             "spread_per_rank": {k: v["spread"] for k, v in rows.items()},
             "alone_samples_per_sec": alone["samples_per_sec"],
+            # np plain processes at once, no communication: the per-rank ceiling on this machine
+            "independent_samples_per_sec_per_rank": ceiling["samples_per_sec"],
+            "independent_spread": ceiling["spread"],
+            "fraction_of_independent": {k: v / ceiling["samples_per_sec"] for k, v in per_rank.items()},
             "np1_samples_per_sec": {k.split("@")[0]: v["samples_per_sec"] for k, v in rows.items() if "@" in k},
             "scaling_efficiency": {k: v / alone["samples_per_sec"] for k, v in per_rank.items()},
         }
@@ -169,10 +191,12 @@ def _print(report: dict) -> None:
     print(f"\ntraining throughput, np={t['np']}, {t['threads']} thread(s)/rank (samples/s per rank; "
           f"efficiency = per rank / one plain process)")
     for model, m in t["models"].items():
-        print(f"  {model}: alone {m['alone_samples_per_sec']:.0f}")
+        print(f"  {model}: alone {m['alone_samples_per_sec']:.0f}; {t['np']} independent processes side by side "
+              f"{m['independent_samples_per_sec_per_rank']:.0f} each (the ceiling per rank)")
         for impl, v in m["samples_per_sec_per_rank"].items():
             lo, hi = m["spread_per_rank"][impl]
-            print(f"    {impl:<17} {v:8.0f}  [{lo:.0f}-{hi:.0f}]  efficiency {m['scaling_efficiency'][impl]:.2f}")
+            print(f"    {impl:<17} {v:8.0f}  [{lo:.0f}-{hi:.0f}]  efficiency {m['scaling_efficiency'][impl]:.2f}"
+                  f"  of ceiling {m['fraction_of_independent'][impl]:.2f}")
     print(f"  hvdp / ddp = {t['hvdp_vs_ddp']:.2f}, hvdp / horovod-tuned = {t['hvdp_vs_horovod_tuned']:.3f} ({t['model']})")
     if "allreduce" in report:
         a = report["allreduce"]
