@@ -15,9 +15,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
-import dataclasses
 import os
 import random
 from dataclasses import dataclass

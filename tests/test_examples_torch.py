@@ -3,12 +3,13 @@
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
-from tests.launch import ROOT, env, launcher_cmd, result_line, run
+from tests.launch import HOROVODRUN, ROOT, env, launcher_cmd, result_line, run
 
 SCRIPT = ROOT / "examples" / "train_torch.py"
 
@@ -81,3 +82,26 @@ def test_bad_input_is_a_clear_error(args, message):
 def test_bad_flag_value_is_rejected_before_launching_work():
     proc = run("python", SCRIPT, "--lr-scaling", "cubic", timeout=120)
     assert proc.returncode == 2 and "invalid choice: 'cubic'" in proc.stderr
+
+
+ELASTIC = ROOT / "examples" / "train_torch_elastic.py"
+
+
+@pytest.mark.elastic
+def test_elastic_example_trains_under_horovod_elastic_and_alone(tmp_path):
+    """The elastic example as a user first runs it: horovodrun in elastic mode on one host (a discovery
+    script, --network-interface lo as Horovod's elastic driver needs here), and plain python. The fault
+    itself (a worker killed, its host re-admitted) is tests/multihost/test_elastic.py."""
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:2\n")
+    discover.chmod(0o755)
+    elastic = subprocess.run(
+        [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2",
+         "--host-discovery-script", str(discover), "--network-interface", "lo",
+         sys.executable, str(ELASTIC), "--epochs", "6"],
+        capture_output=True, text=True, cwd=ROOT, env=env(), timeout=300)
+    result = _result(elastic)
+    assert result["world_size"] == 2 and result["test_accuracy"] >= 0.95, result
+    assert "training on 2 rank(s) from epoch 0" in elastic.stdout
+    alone = _result(run("python", ELASTIC, "--epochs", "6", timeout=300))
+    assert alone["world_size"] == 1 and alone["test_accuracy"] >= 0.95, alone
