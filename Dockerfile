@@ -21,6 +21,7 @@ COPY docker/image.sh docker/constraints.txt /src/docker/
 RUN bash /src/docker/image.sh system build
 COPY docker/wheels/ /tmp/wheels/
 COPY docker/build_horovod.sh /src/docker/
+COPY docker/horovod/ /src/docker/horovod/
 RUN bash /src/docker/image.sh frameworks
 COPY setup.cfg pyproject.toml README.md /src/
 COPY hvdp/ /src/hvdp/

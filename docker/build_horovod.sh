@@ -13,9 +13,41 @@ PYTHON="${PYTHON:-python3}"
 pin() { sed -n "s/^$1==//p" "$here/constraints.txt"; }
 HOROVOD_VERSION="$(pin horovod)"
 
+# The source changes, applied to an unpacked Horovod tree ($1). `build_horovod.sh --patch DIR` applies them
+# alone, to work on them.
+apply_fixes() {
+    # Fix 1: PyTorch >= 2.1 headers need C++17; Horovod 0.28.1 compiles its core and torch op as C++14.
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$1/CMakeLists.txt" "$1/horovod/torch/CMakeLists.txt"
+    # Fix 2: xla_mpi_ops.cc (a GPU-only XLA custom call) includes tensorflow/compiler/xla headers that
+    # TensorFlow >= 2.16 no longer ships; without HOROVOD_ENABLE_XLA_OPS it is never used, so leave it out.
+    sed -i '/xla_mpi_ops.cc/d' "$1/horovod/tensorflow/CMakeLists.txt"
+    # Fix 3: Gloo ignores --network-interface (HOROVOD_GLOO_IFACE) for the contexts the collectives use:
+    # GlooContext::InitializeForProcessSet reads its own never-set gloo_iface_, so Gloo falls back to the
+    # address the hostname resolves to (127.0.x.x on Debian's default /etc/hosts) and ranks on other hosts
+    # cannot connect. Copy the interface from the global context, as timeout_ and hostname_ already are.
+    sed -i '/void GlooContext::InitializeForProcessSet/,/CreateDevice/ s/^  device_attr.iface = gloo_iface_;/  gloo_iface_ = global_context.gloo_iface_;\n  device_attr.iface = gloo_iface_;/' \
+        "$1/horovod/common/gloo/gloo_context.cc"
+    grep -q 'CMAKE_CXX_STANDARD 14' "$1/CMakeLists.txt" "$1/horovod/torch/CMakeLists.txt" && { echo "patch failed" >&2; exit 1; }
+    grep -q 'gloo_iface_ = global_context.gloo_iface_;' "$1/horovod/common/gloo/gloo_context.cc" || { echo "gloo patch failed" >&2; exit 1; }
+    # Addition (not a repair): hvdp's shared-memory allreduce for ranks on one host, tried before MPI's.
+    # docker/horovod/shm_operations.cc says how it works; it is off unless HVDP_SHM_ALLREDUCE=1.
+    cp "$here/horovod/shm_operations.h" "$here/horovod/shm_operations.cc" "$1/horovod/common/ops/"
+    sed -i 's|"${PROJECT_SOURCE_DIR}/horovod/common/ops/mpi_operations.cc"|&\n                "${PROJECT_SOURCE_DIR}/horovod/common/ops/shm_operations.cc"|' "$1/CMakeLists.txt"
+    sed -i 's|^#include "ops/mpi_operations.h"|&\n#include "ops/shm_operations.h"|' "$1/horovod/common/operations.cc"
+    sed -i 's|^        std::shared_ptr<AllreduceOp>(new MPIAllreduce(&state)));|        std::shared_ptr<AllreduceOp>(new ShmAllreduce(\&state)));\n    allreduce_ops.push_back(\n&|' \
+        "$1/horovod/common/operations.cc"
+    grep -q 'new ShmAllreduce(&state)' "$1/horovod/common/operations.cc" && grep -q 'ops/shm_operations.cc' "$1/CMakeLists.txt" \
+        || { echo "shm allreduce patch failed" >&2; exit 1; }
+}
+
+if [ "${1:-}" = "--patch" ]; then
+    apply_fixes "$2"
+    exit 0
+fi
+
 # The key names everything the binary depends on: the installed frameworks, python, the GPU ops and
 # this recipe itself (a new source fix must not reuse a wheel built without it).
-recipe="$(sha256sum "$here/build_horovod.sh" | cut -c1-8)"
+recipe="$(cat "$here/build_horovod.sh" "$here"/horovod/* | sha256sum | cut -c1-8)"
 key="$("$PYTHON" - "$HOROVOD_VERSION" "${HOROVOD_GPU_OPERATIONS:-cpu}" "$recipe" <<'PY'
 import platform, sys
 from importlib.metadata import version
@@ -45,19 +77,7 @@ echo "building Horovod $HOROVOD_VERSION ($key); this takes about 10 minutes on 2
 tar -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
 src="$work/horovod-$HOROVOD_VERSION"
 
-# Fix 1: PyTorch >= 2.1 headers need C++17; Horovod 0.28.1 compiles its core and torch op as C++14.
-sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
-# Fix 2: xla_mpi_ops.cc (a GPU-only XLA custom call) includes tensorflow/compiler/xla headers that
-# TensorFlow >= 2.16 no longer ships; without HOROVOD_ENABLE_XLA_OPS it is never used, so leave it out.
-sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
-# Fix 3: Gloo ignores --network-interface (HOROVOD_GLOO_IFACE) for the contexts the collectives use:
-# GlooContext::InitializeForProcessSet reads its own never-set gloo_iface_, so Gloo falls back to the
-# address the hostname resolves to (127.0.x.x on Debian's default /etc/hosts) and ranks on other hosts
-# cannot connect. Copy the interface from the global context, as timeout_ and hostname_ already are.
-sed -i '/void GlooContext::InitializeForProcessSet/,/CreateDevice/ s/^  device_attr.iface = gloo_iface_;/  gloo_iface_ = global_context.gloo_iface_;\n  device_attr.iface = gloo_iface_;/' \
-    "$src/horovod/common/gloo/gloo_context.cc"
-grep -q 'CMAKE_CXX_STANDARD 14' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt" && { echo "patch failed" >&2; exit 1; }
-grep -q 'gloo_iface_ = global_context.gloo_iface_;' "$src/horovod/common/gloo/gloo_context.cc" || { echo "gloo patch failed" >&2; exit 1; }
+apply_fixes "$src"
 
 mkdir -p "$work/out"
 (

@@ -43,7 +43,7 @@ fi
 VPY="$VENV/bin/python"
 pin() { sed -n "s/^$1==//p" "$here/constraints.txt"; }
 stamp="$VENV/.hvdp-stamp"
-want="$(cat "$here/constraints.txt" "$root/setup.cfg" "$here/setup.sh" "$here/build_horovod.sh" | sha256sum | cut -c1-16)"
+want="$(cat "$here/constraints.txt" "$root/setup.cfg" "$here/setup.sh" "$here/build_horovod.sh" "$here"/horovod/* | sha256sum | cut -c1-16)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     say "installing the pinned stack (torch $(pin torch), tensorflow-cpu $(pin tensorflow-cpu), keras $(pin keras))"
     "$VPY" -m pip install -q --upgrade pip setuptools wheel

@@ -47,10 +47,11 @@ def result_line(output: str, prefix: str = "result: ") -> dict:
     return json.JSONDecoder().raw_decode(output[at + len(prefix):])[0]
 
 
-def run_checks(launcher: str, worker: Path, tmp: Path, np: int = 2, timeout: float = 900) -> dict:
+def run_checks(launcher: str, worker: Path, tmp: Path, np: int = 2, timeout: float = 900,
+               extra_env: dict | None = None) -> dict:
     """Launch `worker` once; it runs all its checks and writes {check: {rank: 'ok' | error}} to a JSON file."""
     out = tmp / f"checks-{launcher}.json"
-    proc = run(launcher, worker, str(out), str(tmp), np=np, timeout=timeout)
+    proc = run(launcher, worker, str(out), str(tmp), np=np, timeout=timeout, extra_env=extra_env)
     if not out.exists():
         raise AssertionError(f"{worker.name} under {launcher} wrote no results (exit {proc.returncode}):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

@@ -25,8 +25,11 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     allreduce = report["allreduce"]
     assert allreduce["memcpy_GBps"] > 0
     impls = {r["impl"] for r in allreduce["results"]}
-    assert impls == {"hvdp-mpi", "hvdp-gloo", "torch-gloo", "mpi4py"}
+    assert impls == {"hvdp-mpi", "horovod-mpi", "hvdp-gloo", "torch-gloo", "mpi4py"}
     assert {r["bytes"] for r in allreduce["results"]} >= {4096, 64 << 20}
     assert all(r["busbw_GBps"] > 0 for r in allreduce["results"])
+    largest = {r["impl"]: r["busbw_GBps"] for r in allreduce["results"] if r["bytes"] == 64 << 20}
+    assert allreduce["largest_bytes"] == 64 << 20
+    assert allreduce["fraction_of_memcpy"] == {k: v / allreduce["memcpy_GBps"] for k, v in largest.items()}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "allreduce busbw" in proc.stdout and "hvdp / ddp" in proc.stdout

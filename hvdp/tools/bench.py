@@ -21,7 +21,7 @@ from hvdp.core.tuning import RUNTIME_DEFAULTS
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 TRAIN_IMPLS = ("hvdp", "horovod", "horovod-tuned", "ddp")
-ALLREDUCE_IMPLS = ("hvdp-mpi", "hvdp-gloo", "torch-gloo", "mpi4py")
+ALLREDUCE_IMPLS = ("hvdp-mpi", "horovod-mpi", "hvdp-gloo", "torch-gloo", "mpi4py")
 
 
 def add_arguments(parser) -> None:
@@ -176,7 +176,13 @@ def run(args) -> int:
                           ["--impl", impl, "--sizes", sizes, "--reps", "5" if args.quick else "10"], raw_env)
             results += [{k: r[k] for k in ("impl", "bytes", "busbw_GBps", "algbw_GBps", "seconds")}
                         for r in _run(cmd, raw_env)]
-        report["allreduce"] = {"np": args.np, "memcpy_GBps": memcpy_gbps(), "results": results}
+        memcpy = memcpy_gbps()
+        largest = max(r["bytes"] for r in results)
+        report["allreduce"] = {
+            "np": args.np, "memcpy_GBps": memcpy, "results": results, "largest_bytes": largest,
+            # busbw at the largest size over memcpy bandwidth: the physical yardstick
+            "fraction_of_memcpy": {r["impl"]: r["busbw_GBps"] / memcpy for r in results if r["bytes"] == largest},
+        }
 
     _print(report)
     if args.json:
@@ -205,7 +211,8 @@ def _print(report: dict) -> None:
         print("  " + "impl".ljust(12) + "".join(f"{_human(s):>9}" for s in sizes))
         for impl in dict.fromkeys(r["impl"] for r in a["results"]):
             by = {r["bytes"]: r["busbw_GBps"] for r in a["results"] if r["impl"] == impl}
-            print("  " + impl.ljust(12) + "".join(f"{by.get(s, float('nan')):9.3f}" for s in sizes))
+            print("  " + impl.ljust(12) + "".join(f"{by.get(s, float('nan')):9.3f}" for s in sizes)
+                  + f"   {a['fraction_of_memcpy'][impl]:.2f}x memcpy at {_human(a['largest_bytes'])}")
 
 
 def _human(n: int) -> str:

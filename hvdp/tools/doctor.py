@@ -47,6 +47,18 @@ def _built_by_hvdp() -> bool:
     return "/hvdp/wheels/" in origin or "/wheels/horovod-" in origin
 
 
+def has_shm_allreduce() -> bool | None:
+    """Whether the installed Horovod carries hvdp's shared-memory allreduce (docker/horovod/shm_operations.cc);
+    None when Horovod's PyTorch library is not found. Read from the library's bytes: nothing is imported."""
+    import importlib.util
+    spec = importlib.util.find_spec("horovod")
+    libs = [p for d in (spec.submodule_search_locations or []) for p in Path(d).glob("torch/mpi_lib_v2*.so")] \
+        if spec else []
+    if not libs:
+        return None
+    return b"hvdp shared-memory allreduce" in libs[0].read_bytes()
+
+
 def _mpi_version() -> str | None:
     if not shutil.which("mpirun"):
         return None
@@ -96,6 +108,12 @@ def run(args) -> int:
                           ("MPI", "horovod not built with MPI"), ("Gloo", "horovod not built with Gloo")):
             if not built.get(need):
                 problems.append(f"{fix}: run `make setup` (it rebuilds Horovod with HOROVOD_WITH_{need.upper()}=1)")
+    shm = has_shm_allreduce()
+    if shm is not None:
+        state = os.environ.get("HVDP_SHM_ALLREDUCE", "1 (hvdp's default)")
+        print(f"  hvdp's shared-memory allreduce (one host, MPI): "
+              + (f"built in; HVDP_SHM_ALLREDUCE={state}" if shm else
+                 "not in this Horovod, MPI's allreduce is used (`make setup` builds it in)"))
 
     launcher = detect_launcher()
     world = World.from_env()
