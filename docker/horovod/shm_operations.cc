@@ -129,6 +129,7 @@ ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
 
   Setup setup{};
   int fd = -1;
+  int error = 0;  // why this rank could not map the segment
   if (rank_ == 0) {
     const char* chunk_env = std::getenv("HVDP_SHM_CHUNK_BYTES");
     const char* timeout_env = std::getenv("HVDP_SHM_TIMEOUT_SECONDS");
@@ -141,7 +142,8 @@ ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
     fd = shm_open(setup.name, O_CREAT | O_EXCL | O_RDWR, 0600);
     // posix_fallocate, not ftruncate: a /dev/shm too small for the segment (Docker's default is 64 MiB)
     // must fail here, not with SIGBUS in the middle of a step.
-    setup.ok = fd >= 0 && posix_fallocate(fd, 0, static_cast<off_t>(mapping_bytes_)) == 0;
+    error = fd >= 0 ? posix_fallocate(fd, 0, static_cast<off_t>(mapping_bytes_)) : errno;
+    setup.ok = error == 0;
   }
   MPI_Bcast(&setup, sizeof(setup), MPI_BYTE, 0, comm);
   chunk_bytes_ = setup.chunk_bytes;
@@ -151,15 +153,16 @@ ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
   if (ok && rank_ != 0) {
     fd = shm_open(setup.name, O_RDWR, 0600);
     ok = fd >= 0;
+    error = ok ? 0 : errno;
   }
   if (ok) {
     mapping_ = mmap(nullptr, mapping_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     ok = mapping_ != MAP_FAILED;
     if (!ok) {
+      error = errno;
       mapping_ = nullptr;
     }
   }
-  int error = ok ? 0 : errno;
   if (fd >= 0) {
     close(fd);
   }
@@ -174,7 +177,7 @@ ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
     shm_unlink(setup.name);  // ... so the name can go: nothing is left behind, whatever happens next
   }
   if (!all_ok) {
-    if (!ok) {
+    if (!ok && (rank_ == 0 || setup.ok)) {  // the rank that failed says why
       LOG(WARNING) << "hvdp: shared-memory allreduce off: rank " << rank_ << " could not map "
                    << mapping_bytes_ << " bytes of /dev/shm (" << std::strerror(error)
                    << "); MPI's allreduce is used. In Docker, give the container more with --shm-size.";

@@ -16,6 +16,8 @@ CONFIGS = {
     "np3-chunk4k": (3, {"HVDP_SHM_CHUNK_BYTES": "4096"}),  # parts of unequal length, three slots to sum
     "np2-default-chunk": (2, {}),
     "np2-off": (2, {"HVDP_SHM_ALLREDUCE": "0"}),  # MPI's allreduce: the same references must hold
+    # A segment /dev/shm cannot hold (4 TiB): every rank falls back to MPI's allreduce at init, no rank hangs.
+    "np2-shm-too-small": (2, {"HVDP_SHM_CHUNK_BYTES": str(1 << 40), "EXPECT_ALLREDUCE_OP": "MPI_ALLREDUCE"}),
 }
 
 
