@@ -57,3 +57,17 @@ def test_dead_rank_ends_the_job_naming_it(launcher):
     assert code not in (0, None) and "still running" not in out, out[-3000:]
     assert seconds < 60
     assert any(s in out for s in ("Process name: 1", "rank 1 (last heard", "rank 1 with PID")), out[-3000:]
+
+
+def test_stopped_rank_inside_the_shared_memory_allreduce_is_named_by_its_peer():
+    """hvdp's shared-memory allreduce (MPI, one host) spins on barriers in /dev/shm: a rank stopped inside it
+    must not leave its peer waiting forever. Both ranks fail that allreduce, each naming the other."""
+    worker = Path(__file__).with_name("shm_stall_worker.py")
+    proc = subprocess.run(launcher_cmd("mpi") + [str(worker)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=env(HVDP_SHM_TIMEOUT_SECONDS="2", HVDP_SHM_CHUNK_BYTES="128", HVDP_WATCHDOG="0"))
+    out = proc.stdout + proc.stderr
+    assert "stall: rank 0 failed" in out and "stall: rank 1 failed" in out, out[-3000:]
+    assert "rank 1 did not reach the copy-in step of 'allreduce.stall' within 2 s (rank 0 waited for it)" in out \
+        or "rank 1 did not reach the reduce step of 'allreduce.stall' within 2 s (rank 0 waited for it)" in out, out[-3000:]
+    assert "rank 0 did not reach the" in out and "(rank 1 waited for it)" in out, out[-3000:]
+    assert "HVDP_SHM_ALLREDUCE=0 uses MPI's allreduce instead" in out
