@@ -22,10 +22,10 @@ from tests.checks import check, main  # noqa: E402
 world = ht.init()
 hvd = ht.hvd
 SHM_ON = os.environ.get("HVDP_SHM_ALLREDUCE") == "1"
-CHUNK = int(os.environ.get("HVDP_SHM_CHUNK_BYTES", "0"))
-# Element counts around the chunk size: smaller, equal, crossing one and several chunk boundaries, and
-# counts that do not split evenly among the ranks.
-SIZES = [1, 7, 1000, 1023, 1024, 1025, 3 * 1024 + 5, 50_003]
+# Element counts around the 4 KiB chunks most launches use (1024 float32 elements): smaller, equal, crossing
+# one and many chunk boundaries, counts that do not split evenly among the ranks, and one that crosses the
+# default chunk (256 KiB here) too.
+SIZES = [1, 7, 1000, 1023, 1024, 1025, 3 * 1024 + 5, 50_003, 200_003]
 
 
 def _input(n, dtype, seed):
