@@ -4,13 +4,16 @@ the machines are shared and noisy; numbers are for the README's table, not for p
 import json
 import subprocess
 
+import pytest
+
 from tests.launch import BIN, ROOT, env
 
 
 def test_bench_quick_writes_json_and_png(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    proc = subprocess.run([str(BIN / "hvdp"), "bench", "--quick", "--models", "cnn", "--json", str(out),
-                           "--plot", str(png)], capture_output=True, text=True, cwd=ROOT, env=env(), timeout=600)
+    proc = subprocess.run([str(BIN / "hvdp"), "bench", "--quick", "--models", "cnn", "--frameworks", "torch,tensorflow",
+                           "--json", str(out), "--plot", str(png)],
+                          capture_output=True, text=True, cwd=ROOT, env=env(), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     training = report["training"]
@@ -22,6 +25,16 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     assert cnn["independent_samples_per_sec_per_rank"] > 0
     assert cnn["fraction_of_independent"]["hvdp"] == (cnn["samples_per_sec_per_rank"]["hvdp"]
                                                       / cnn["independent_samples_per_sec_per_rank"])
+    assert report["rounds"] == 1 and cnn["ratios_per_round"]["hvdp_vs_ddp"] == [training["hvdp_vs_ddp"]]
+    assert training["hvdp_vs_ddp"] == training["samples_per_sec"]["hvdp"] / training["samples_per_sec"]["ddp"]
+
+    keras = report["training_tensorflow"]  # hvdp-keras and hvdp-tf against raw horovod.tensorflow
+    assert keras["framework"] == "tensorflow" and keras["np"] == 2
+    rates = keras["models"]["cnn"]["samples_per_sec_per_rank"]
+    assert set(rates) == {"hvdp-keras", "hvdp-tf", "horovod-tf", "horovod-tf-tuned"}
+    assert all(v > 0 for v in rates.values())
+    assert keras["hvdp_keras_vs_horovod_tf_tuned"] == rates["hvdp-keras"] / rates["horovod-tf-tuned"]
+    assert 0 < keras["scaling_efficiency"] < 2
     allreduce = report["allreduce"]
     assert allreduce["memcpy_GBps"] > 0
     impls = {r["impl"] for r in allreduce["results"]}
@@ -31,5 +44,18 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     largest = {r["impl"]: r["busbw_GBps"] for r in allreduce["results"] if r["bytes"] == 64 << 20}
     assert allreduce["largest_bytes"] == 64 << 20
     assert allreduce["fraction_of_memcpy"] == {k: v / allreduce["memcpy_GBps"] for k, v in largest.items()}
+    assert all(r["busbw_GBps_rounds"] == [r["busbw_GBps"]] for r in allreduce["results"])  # one round
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert "allreduce busbw" in proc.stdout and "hvdp / ddp" in proc.stdout
+    assert "allreduce busbw" in proc.stdout and "hvdp_vs_ddp" in proc.stdout
+    assert "tensorflow training throughput" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--np", "1"], "--np must be >= 2, got 1"),
+    (["--frameworks", "torch,jax"], "--frameworks takes torch, tensorflow, got 'torch,jax'"),
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+])
+def test_bench_rejects_bad_arguments(args, message):
+    proc = subprocess.run([str(BIN / "hvdp"), "bench", *args], capture_output=True, text=True, cwd=ROOT, env=env(),
+                          timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -58,11 +58,11 @@ size_t DefaultChunkBytes() {
 template <typename T>
 using ScaleType = typename std::conditional<std::is_same<T, float>::value, float, double>::type;
 
-// The sum in rank order of src[q][i] for every rank q, but for rank `own`, whose values come from `own_in`
-// times `prescale` (as Horovod's ScaleBuffer computes it). The sum goes to `shared` for the peers, and times
-// `postscale` to `out`.
+// The sum in rank order of src[q][first + i] for every rank q, but for rank `own`, whose values come from
+// `own_in` times `prescale` (as Horovod's ScaleBuffer computes it). The sum goes to `shared` for the peers,
+// and times `postscale` to `out`.
 template <typename T>
-void SumInRankOrder(const std::vector<const T*>& src, int own, const T* own_in, double prescale,
+void SumInRankOrder(const std::vector<const T*>& src, size_t first, int own, const T* own_in, double prescale,
                     double postscale, T* shared, T* out, size_t count) {
   constexpr size_t kBlock = 1024;
   const auto pre = static_cast<ScaleType<T>>(prescale);
@@ -71,7 +71,7 @@ void SumInRankOrder(const std::vector<const T*>& src, int own, const T* own_in, 
   for (size_t b = 0; b < count; b += kBlock) {
     const size_t m = std::min(kBlock, count - b);
     for (size_t q = 0; q < src.size(); ++q) {
-      const T* s = static_cast<int>(q) == own ? own_in + b : src[q] + b;
+      const T* s = static_cast<int>(q) == own ? own_in + b : src[q] + first + b;
       if (static_cast<int>(q) == own && prescale != 1.0) {
         // Scaled on its own, rounded, then added: as MPI's path computes it (no fused multiply-add).
         ScaleBufferCPUImpl(s, scaled, static_cast<int64_t>(m), pre);
@@ -127,6 +127,8 @@ ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
     return;
   }
 
+  // The flags' cache lines, then two chunk slots per rank.
+  auto segment_bytes = [this](size_t chunk) { return kLine * size_ + 2 * chunk * size_; };
   Setup setup{};
   int fd = -1;
   int error = 0;  // why this rank could not map the segment
@@ -138,17 +140,16 @@ ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
     setup.timeout_seconds = timeout_env ? std::atof(timeout_env) : 60.0;
     std::snprintf(setup.name, sizeof(setup.name), "/hvdp-shm-%d-%lld", static_cast<int>(getpid()),
                   static_cast<long long>(std::chrono::steady_clock::now().time_since_epoch().count()));
-    mapping_bytes_ = kLine * size_ + 2 * setup.chunk_bytes * size_;
     fd = shm_open(setup.name, O_CREAT | O_EXCL | O_RDWR, 0600);
     // posix_fallocate, not ftruncate: a /dev/shm too small for the segment (Docker's default is 64 MiB)
     // must fail here, not with SIGBUS in the middle of a step.
-    error = fd >= 0 ? posix_fallocate(fd, 0, static_cast<off_t>(mapping_bytes_)) : errno;
+    error = fd >= 0 ? posix_fallocate(fd, 0, static_cast<off_t>(segment_bytes(setup.chunk_bytes))) : errno;
     setup.ok = error == 0;
   }
   MPI_Bcast(&setup, sizeof(setup), MPI_BYTE, 0, comm);
   chunk_bytes_ = setup.chunk_bytes;
   timeout_seconds_ = setup.timeout_seconds;
-  mapping_bytes_ = kLine * size_ + 2 * chunk_bytes_ * size_;
+  mapping_bytes_ = segment_bytes(chunk_bytes_);
   int ok = setup.ok;
   if (ok && rank_ != 0) {
     fd = shm_open(setup.name, O_RDWR, 0600);
@@ -307,9 +308,7 @@ void ShmAllreduce::Run(const std::vector<Piece>& pieces, size_t total_bytes, dou
     }
     ForEachPiece(pieces, starts, done + lo, done + hi, [&](const Piece& piece, size_t at, size_t offset, size_t n) {
       const size_t first = (offset - done) / sizeof(T);
-      std::vector<const T*> from(sources);
-      for (auto& f : from) f += first;
-      SumInRankOrder(from, rank_, reinterpret_cast<const T*>(piece.in + at), prescale, postscale,
+      SumInRankOrder(sources, first, rank_, reinterpret_cast<const T*>(piece.in + at), prescale, postscale,
                      reinterpret_cast<T*>(mine) + first, reinterpret_cast<T*>(piece.out + at), n / sizeof(T));
     });
     Barrier("reduce", tensor);

@@ -20,15 +20,31 @@ from pathlib import Path
 from hvdp.core.tuning import RUNTIME_DEFAULTS
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-TRAIN_IMPLS = ("hvdp", "horovod", "horovod-tuned", "ddp")
+# framework -> its worker, the implementations measured side by side, and the ratios reported (a / b).
+# An implementation ending in -tuned is the one before it run with hvdp's runtime defaults (raw Horovod
+# "tuned the same way"); every other one runs with the library's own defaults (hvdp applies its own).
+FRAMEWORKS = {
+    "torch": {"worker": "train_worker.py", "impls": ("hvdp", "horovod", "horovod-tuned", "ddp"),
+              "ratios": {"hvdp_vs_ddp": ("hvdp", "ddp"), "hvdp_vs_horovod_tuned": ("hvdp", "horovod-tuned")}},
+    "tensorflow": {"worker": "train_worker_tf.py", "impls": ("hvdp-keras", "hvdp-tf", "horovod-tf", "horovod-tf-tuned"),
+                   "ratios": {"hvdp_keras_vs_horovod_tf_tuned": ("hvdp-keras", "horovod-tf-tuned"),
+                              "hvdp_tf_vs_horovod_tf_tuned": ("hvdp-tf", "horovod-tf-tuned")}},
+}
 ALLREDUCE_IMPLS = ("hvdp-mpi", "horovod-mpi", "hvdp-gloo", "torch-gloo", "mpi4py")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--quick", action="store_true", help="fewer steps and sizes: about 3 minutes here")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and sizes, one round: about 3 minutes here")
     parser.add_argument("--np", type=int, default=2, help="ranks for the distributed runs (default 2)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank, for every impl")
+    parser.add_argument("--threads", type=int, default=1, help="torch/TF threads per rank, for every impl")
     parser.add_argument("--models", default="cnn,mlp", help="comma-separated: cnn (compute-bound), mlp (6.4M)")
+    parser.add_argument("--frameworks",
+                        help="comma-separated: torch (hvdp vs raw Horovod vs DDP), tensorflow (hvdp-keras and "
+                             "hvdp-tf vs raw horovod.tensorflow); the first gives the summary numbers "
+                             "(default torch,tensorflow; torch with --quick)")
+    parser.add_argument("--rounds", type=int,
+                        help="interleaved rounds of every implementation (default 3, 1 with --quick): the "
+                             "machine's slow phases then hit all of them, and each ratio is a median of rounds")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON here")
     parser.add_argument("--plot", metavar="FILE.png", help="plot busbw vs size and throughput per impl")
     parser.add_argument("--timeline", metavar="PATH",
@@ -100,6 +116,78 @@ def memcpy_gbps(nbytes: int = 64 << 20, reps: int = 10) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def _impl_run(impl: str) -> tuple[str, bool, dict]:
+    """An implementation's name -> (the worker's --impl, with hvdp's runtime defaults?, extra environment)."""
+    if impl.endswith("-tuned"):
+        return impl[:-len("-tuned")], True, {}
+    if impl == "horovod-autotune":
+        return "horovod", False, {}
+    if impl == "hvdp-no-watchdog":  # what hvdp's watchdog costs per step
+        return "hvdp", False, {"HVDP_WATCHDOG": "0"}
+    return impl, False, {}
+
+
+def _train(framework: str, model: str, args, rounds: int, steps: list[str], raw_env: dict) -> dict:
+    """Every implementation of `framework` training `model`, in `rounds` interleaved rounds, plus one plain
+    process alone and np plain processes side by side (the ceiling) in each round."""
+    spec = FRAMEWORKS[framework]
+    worker_args = ["--model", model, "--threads", str(args.threads), *steps]
+    impls = list(spec["impls"])
+    if framework == "torch":
+        impls += (["horovod-autotune"] if args.autotune else []) + ([] if args.quick else ["hvdp-no-watchdog"])
+    runs: dict[str, list[dict]] = {impl: [] for impl in impls + ["alone", "independent"]}
+    for r in range(rounds):
+        for impl in impls:
+            real, tuned, extra = _impl_run(impl)
+            env = {**raw_env, **(RUNTIME_DEFAULTS if tuned else {}), **extra}
+            if impl == impls[0] and args.timeline and r == 0:
+                env["HOROVOD_TIMELINE"] = f"{args.timeline}.{framework}.{model}.json"
+            cmd = _launch(real, args.np, spec["worker"], ["--impl", real, *worker_args], env,
+                          autotune=impl == "horovod-autotune")
+            print(f"[bench] {framework} {model} round {r + 1}/{rounds}: {impl} np={args.np} ...",
+                  file=sys.stderr, flush=True)
+            runs[impl].append(_run(cmd, env)[0])
+        alone_cmd = _launch("alone", 1, spec["worker"], ["--impl", "alone", *worker_args], raw_env)
+        runs["alone"].append(_run(alone_cmd, raw_env)[0])
+        print(f"[bench] {framework} {model} round {r + 1}/{rounds}: {args.np} independent processes side by "
+              f"side ...", file=sys.stderr, flush=True)
+        runs["independent"].append(_run_side_by_side(alone_cmd, raw_env, args.np))
+    np1 = {}
+    if not args.quick:  # each distributed implementation alone (np=1) too, once
+        for impl in spec["impls"]:
+            real, tuned, _ = _impl_run(impl)
+            if not tuned:
+                np1[impl] = _run(_launch(real, 1, spec["worker"], ["--impl", real, *worker_args], raw_env), raw_env)[0]
+
+    def median(impl):  # the median over rounds of each round's median
+        return statistics.median(run["samples_per_sec"] for run in runs[impl])
+
+    per_rank = {impl: median(impl) for impl in impls}
+    alone, ceiling = median("alone"), median("independent")
+    return {
+        "samples_per_sec_per_rank": per_rank,
+        "samples_per_sec": {k: v * args.np for k, v in per_rank.items()},
+        # min and max over every repetition of every round
+        "spread_per_rank": {impl: [min(run["spread"][0] for run in runs[impl]),
+                                   max(run["spread"][1] for run in runs[impl])] for impl in impls},
+        "rounds_per_rank": {impl: [run["samples_per_sec"] for run in runs[impl]] for impl in runs},
+        "alone_samples_per_sec": alone,
+        # np plain processes at once, no communication: the per-rank ceiling on this machine
+        "independent_samples_per_sec_per_rank": ceiling,
+        "independent_spread": [min(run["spread"][0] for run in runs["independent"]),
+                               max(run["spread"][1] for run in runs["independent"])],
+        "fraction_of_independent": {k: v / ceiling for k, v in per_rank.items()},
+        "np1_samples_per_sec": {k: v["samples_per_sec"] for k, v in np1.items()},
+        "scaling_efficiency": {k: v / alone for k, v in per_rank.items()},
+        # each ratio within each round (both sides measured minutes apart at most), then the median of rounds
+        "ratios": {name: statistics.median(x["samples_per_sec"] / y["samples_per_sec"]
+                                           for x, y in zip(runs[a], runs[b]))
+                   for name, (a, b) in spec["ratios"].items()},
+        "ratios_per_round": {name: [x["samples_per_sec"] / y["samples_per_sec"] for x, y in zip(runs[a], runs[b])]
+                             for name, (a, b) in spec["ratios"].items()},
+    }
+
+
 def run(args) -> int:
     if not (BENCH_DIR / "train_worker.py").is_file():
         print(f"hvdp bench: the benchmark workers are not at {BENCH_DIR}; run it from a checkout of hvdp",
@@ -108,75 +196,52 @@ def run(args) -> int:
     if args.np < 2:
         print(f"hvdp bench: --np must be >= 2, got {args.np}", file=sys.stderr)
         return 2
+    frameworks = (args.frameworks or ("torch" if args.quick else "torch,tensorflow")).split(",")
+    unknown = [f for f in frameworks if f not in FRAMEWORKS]
+    if unknown or not frameworks:
+        print(f"hvdp bench: --frameworks takes {', '.join(FRAMEWORKS)}, got {','.join(frameworks)!r}", file=sys.stderr)
+        return 2
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    if rounds < 1:
+        print(f"hvdp bench: --rounds must be >= 1, got {rounds}", file=sys.stderr)
+        return 2
     steps = ["--warmup", "3", "--steps", "10", "--reps", "3"] if args.quick else \
-            ["--warmup", "10", "--steps", "30", "--reps", "5"]
+            ["--warmup", "10", "--steps", "30", "--reps", "3"]
     base_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH_DIR.parent), os.environ.get("PYTHONPATH", "")]),
                     PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS=str(args.threads))
     raw_env = {k: v for k, v in base_env.items() if k not in RUNTIME_DEFAULTS}  # Horovod's own defaults
-    tuned_env = {**raw_env, **RUNTIME_DEFAULTS}
-    envs = {"hvdp": raw_env, "horovod": raw_env, "horovod-tuned": tuned_env, "ddp": raw_env, "alone": raw_env}
 
     report = {"date": datetime.date.today().isoformat(),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-              "hvdp_runtime_defaults": RUNTIME_DEFAULTS, "training": {"np": args.np, "threads": args.threads,
-                                                                      "models": {}}}
-    for model in args.models.split(","):
-        worker_args = ["--model", model, "--threads", str(args.threads), *steps]
-        rows: dict[str, dict] = {}
-        impls = list(TRAIN_IMPLS) + (["horovod-autotune"] if args.autotune else []) + \
-            ([] if args.quick else ["hvdp-no-watchdog"])
-        for impl in impls:
-            real = {"horovod-tuned": "horovod", "horovod-autotune": "horovod", "hvdp-no-watchdog": "hvdp"}.get(impl, impl)
-            env = dict(envs.get(impl, raw_env))
-            if impl == "hvdp-no-watchdog":  # what hvdp's watchdog costs per step
-                env["HVDP_WATCHDOG"] = "0"
-            if impl == "hvdp" and args.timeline:
-                env["HOROVOD_TIMELINE"] = f"{args.timeline}.{model}.json"
-            cmd = _launch(real, args.np, "train_worker.py", ["--impl", real, *worker_args], env,
-                          autotune=impl == "horovod-autotune")
-            print(f"[bench] {model}: {impl} np={args.np} ...", file=sys.stderr, flush=True)
-            rows[impl] = _run(cmd, env)[0]
-        alone_cmd = _launch("alone", 1, "train_worker.py", ["--impl", "alone", *worker_args], raw_env)
-        alone = _run(alone_cmd, raw_env)[0]
-        print(f"[bench] {model}: {args.np} independent processes side by side ...", file=sys.stderr, flush=True)
-        ceiling = _run_side_by_side(alone_cmd, raw_env, args.np)
-        if not args.quick:  # each implementation alone (np=1) too, not only the plain process
-            for impl in ("hvdp", "horovod", "ddp"):
-                one = _run(_launch(impl, 1, "train_worker.py", ["--impl", impl, *worker_args], raw_env), raw_env)[0]
-                rows[f"{impl}@np1"] = one
-        per_rank = {k: v["samples_per_sec"] for k, v in rows.items() if "@" not in k}
-        report["training"]["models"][model] = {
-            "samples_per_sec_per_rank": per_rank,
-            "samples_per_sec": {k: v * args.np for k, v in per_rank.items()},
-            "spread_per_rank": {k: v["spread"] for k, v in rows.items()},
-            "alone_samples_per_sec": alone["samples_per_sec"],
-            # np plain processes at once, no communication: the per-rank ceiling on this machine
-            "independent_samples_per_sec_per_rank": ceiling["samples_per_sec"],
-            "independent_spread": ceiling["spread"],
-            "fraction_of_independent": {k: v / ceiling["samples_per_sec"] for k, v in per_rank.items()},
-            "np1_samples_per_sec": {k.split("@")[0]: v["samples_per_sec"] for k, v in rows.items() if "@" in k},
-            "scaling_efficiency": {k: v / alone["samples_per_sec"] for k, v in per_rank.items()},
-        }
-    first = report["training"]["models"][args.models.split(",")[0]]
-    report["training"].update({
-        "model": args.models.split(",")[0],
-        "samples_per_sec": first["samples_per_sec"],
-        "scaling_efficiency": first["scaling_efficiency"]["hvdp"],
-        "hvdp_vs_ddp": first["samples_per_sec"]["hvdp"] / first["samples_per_sec"]["ddp"],
-        "hvdp_vs_horovod_tuned": first["samples_per_sec"]["hvdp"] / first["samples_per_sec"]["horovod-tuned"],
-    })
+              "hvdp_runtime_defaults": RUNTIME_DEFAULTS, "rounds": rounds}
+    for framework in frameworks:
+        result = {"framework": framework, "np": args.np, "threads": args.threads, "models": {}}
+        for model in args.models.split(","):
+            result["models"][model] = _train(framework, model, args, rounds, steps, raw_env)
+        first = args.models.split(",")[0]
+        result.update({"model": first, "samples_per_sec": result["models"][first]["samples_per_sec"],
+                       **result["models"][first]["ratios"]})
+        result["scaling_efficiency"] = result["models"][first]["scaling_efficiency"][FRAMEWORKS[framework]["impls"][0]]
+        report["training" if framework == frameworks[0] else f"training_{framework}"] = result
 
     if not args.skip_allreduce:
         sizes = "4096,65536,1048576,16777216,67108864" if args.quick else \
                 ",".join(str(4096 << (2 * i)) for i in range(8))  # 4 KiB .. 64 MiB
+        runs, memcpys = {}, []
+        for r in range(rounds):  # interleaved like training; each (impl, size) keeps its median round (lower middle if even)
+            for impl in ALLREDUCE_IMPLS:
+                print(f"[bench] allreduce round {r + 1}/{rounds}: {impl} np={args.np} ...", file=sys.stderr, flush=True)
+                cmd = _launch(impl, args.np, "allreduce_worker.py",
+                              ["--impl", impl, "--sizes", sizes, "--reps", "5" if args.quick else "10"], raw_env)
+                for one in _run(cmd, raw_env):
+                    runs.setdefault((impl, one["bytes"]), []).append(one)
+            memcpys.append(memcpy_gbps())
         results = []
-        for impl in ALLREDUCE_IMPLS:
-            print(f"[bench] allreduce: {impl} np={args.np} ...", file=sys.stderr, flush=True)
-            cmd = _launch(impl, args.np, "allreduce_worker.py",
-                          ["--impl", impl, "--sizes", sizes, "--reps", "5" if args.quick else "10"], raw_env)
-            results += [{k: r[k] for k in ("impl", "bytes", "busbw_GBps", "algbw_GBps", "seconds")}
-                        for r in _run(cmd, raw_env)]
-        memcpy = memcpy_gbps()
+        for (impl, nbytes), rs in runs.items():
+            middle = sorted(rs, key=lambda one: one["busbw_GBps"])[(len(rs) - 1) // 2]
+            results.append({**{k: middle[k] for k in ("impl", "bytes", "busbw_GBps", "algbw_GBps", "seconds")},
+                            "busbw_GBps_rounds": [one["busbw_GBps"] for one in rs]})
+        memcpy = statistics.median(memcpys)
         largest = max(r["bytes"] for r in results)
         report["allreduce"] = {
             "np": args.np, "memcpy_GBps": memcpy, "results": results, "largest_bytes": largest,
@@ -192,18 +257,25 @@ def run(args) -> int:
     return 0
 
 
+def _training_sections(report: dict) -> list[tuple[str, dict]]:
+    """(framework, its training results) in the order measured; "training" holds the first framework's."""
+    return [(t["framework"], t) for key, t in report.items() if key == "training" or key.startswith("training_")]
+
+
 def _print(report: dict) -> None:
-    t = report["training"]
-    print(f"\ntraining throughput, np={t['np']}, {t['threads']} thread(s)/rank (samples/s per rank; "
-          f"efficiency = per rank / one plain process)")
-    for model, m in t["models"].items():
-        print(f"  {model}: alone {m['alone_samples_per_sec']:.0f}; {t['np']} independent processes side by side "
-              f"{m['independent_samples_per_sec_per_rank']:.0f} each (the ceiling per rank)")
-        for impl, v in m["samples_per_sec_per_rank"].items():
-            lo, hi = m["spread_per_rank"][impl]
-            print(f"    {impl:<17} {v:8.0f}  [{lo:.0f}-{hi:.0f}]  efficiency {m['scaling_efficiency'][impl]:.2f}"
-                  f"  of ceiling {m['fraction_of_independent'][impl]:.2f}")
-    print(f"  hvdp / ddp = {t['hvdp_vs_ddp']:.2f}, hvdp / horovod-tuned = {t['hvdp_vs_horovod_tuned']:.3f} ({t['model']})")
+    for framework, t in _training_sections(report):
+        print(f"\n{framework} training throughput, np={t['np']}, {t['threads']} thread(s)/rank (samples/s per "
+              f"rank, median of {report['rounds']} interleaved round(s); efficiency = per rank / one plain process)")
+        for model, m in t["models"].items():
+            print(f"  {model}: alone {m['alone_samples_per_sec']:.0f}; {t['np']} independent processes side by "
+                  f"side {m['independent_samples_per_sec_per_rank']:.0f} each (the ceiling per rank)")
+            for impl, v in m["samples_per_sec_per_rank"].items():
+                lo, hi = m["spread_per_rank"][impl]
+                print(f"    {impl:<17} {v:8.0f}  [{lo:.0f}-{hi:.0f}]  efficiency {m['scaling_efficiency'][impl]:.2f}"
+                      f"  of ceiling {m['fraction_of_independent'][impl]:.2f}")
+            for name, value in m["ratios"].items():
+                rounds = ", ".join(f"{x:.3f}" for x in m["ratios_per_round"][name])
+                print(f"    {name} = {value:.3f}  (rounds: {rounds})")
     if "allreduce" in report:
         a = report["allreduce"]
         print(f"\nallreduce busbw (GB/s), np={a['np']}; memcpy {a['memcpy_GBps']:.2f} GB/s")
@@ -223,7 +295,7 @@ def plot(report: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 6))
     if "allreduce" in report:
         a = report["allreduce"]
         for impl in dict.fromkeys(r["impl"] for r in a["results"]):
@@ -235,17 +307,17 @@ def plot(report: dict, path: str) -> None:
         left.set_ylabel("busbw (GB/s)")
         left.set_title(f"allreduce, np={a['np']}")
         left.legend()
-    models = report["training"]["models"]
-    impls = list(next(iter(models.values()))["samples_per_sec_per_rank"])
-    width = 0.8 / len(impls)
-    for i, impl in enumerate(impls):
-        right.bar([j + i * width for j in range(len(models))],
-                  [m["samples_per_sec_per_rank"][impl] for m in models.values()], width, label=impl)
-    right.bar([j + len(impls) * width for j in range(len(models))],
-              [m["alone_samples_per_sec"] for m in models.values()], width, label="alone (np=1)", color="grey")
-    right.set_xticks([j + 0.4 for j in range(len(models))], list(models))
-    right.set_ylabel("samples/s per rank")
+    labels, values, colors = [], [], []
+    for framework, t in _training_sections(report):
+        for model, m in t["models"].items():
+            for impl, v in [*m["samples_per_sec_per_rank"].items(), ("alone (np=1)", m["alone_samples_per_sec"])]:
+                labels.append(f"{framework} {model}: {impl}")
+                values.append(v)
+                colors.append("grey" if impl.startswith("alone") else "C0" if framework == "torch" else "C1")
+    right.barh(range(len(values)), values, color=colors)
+    right.set_yticks(range(len(labels)), labels, fontsize=7)
+    right.invert_yaxis()
+    right.set_xlabel("samples/s per rank")
     right.set_title(f"training, np={report['training']['np']}")
-    right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
