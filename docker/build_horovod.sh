@@ -29,6 +29,10 @@ apply_fixes() {
         "$1/horovod/common/gloo/gloo_context.cc"
     grep -q 'CMAKE_CXX_STANDARD 14' "$1/CMakeLists.txt" "$1/horovod/torch/CMakeLists.txt" && { echo "patch failed" >&2; exit 1; }
     grep -q 'gloo_iface_ = global_context.gloo_iface_;' "$1/horovod/common/gloo/gloo_context.cc" || { echo "gloo patch failed" >&2; exit 1; }
+    # Fix 4: bfloat16 (horovod#4047): a HOROVOD_BFLOAT16 type, its MPI and Gloo reductions (widened to
+    # float32, rounded once per step), scaling, NCCL's ncclBfloat16, and torch's BFloat16Tensor bindings.
+    patch -s -p1 -d "$1" < "$here/horovod/bfloat16.patch"
+    grep -q 'HOROVOD_BFLOAT16 = 10' "$1/horovod/common/message.h" || { echo "bfloat16 patch failed" >&2; exit 1; }
     # Addition (not a repair): hvdp's shared-memory allreduce for ranks on one host, tried before MPI's.
     # docker/horovod/shm_operations.cc says how it works; it is off unless HVDP_SHM_ALLREDUCE=1.
     cp "$here/horovod/shm_operations.h" "$here/horovod/shm_operations.cc" "$1/horovod/common/ops/"

@@ -11,7 +11,7 @@ import socket
 
 from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import CheckpointError, SetupError
-from hvdp.core.tuning import apply_runtime_defaults
+from hvdp.core.tuning import apply_runtime_defaults, check_shm_settings
 from hvdp.core.watchdog import Watchdog, open_socket
 from hvdp.core.watchdog import settings as watchdog_settings
 from hvdp.core.world import World, detect_launcher, elastic
@@ -43,6 +43,7 @@ def init(framework: str, timeline: str | None = None):
             f"launched by {launcher}, but this Horovod was built without MPI: rebuild it with "
             f"HOROVOD_WITH_MPI=1 (`make setup` does) or launch with `horovodrun --gloo`")
     if not hvd.is_initialized():
+        check_shm_settings()
         apply_runtime_defaults()  # before MPI_Init / Horovod's background thread read them
         hvd.init()
     if timeline:

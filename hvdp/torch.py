@@ -367,13 +367,17 @@ def progress(iterable: Iterable, **tqdm_kwargs: Any) -> Iterable:
 def check_consistency(model: torch.nn.Module) -> None:
     """Raise DivergenceError on every rank if any parameter or buffer differs across ranks, naming the first
     one and the ranks that differ from rank 0. Compares exact bytes, so it catches the smallest drift."""
-    digests = [consistency.digest(name, t.shape, t.detach().cpu().contiguous().numpy().tobytes())
-               for name, t in model.state_dict().items()]
+    digests = [consistency.digest(name, t.shape, _raw_bytes(t)) for name, t in model.state_dict().items()]
     problem = consistency.divergence(
         hvd.allgather_object(digests, name="hvdp.consistency"),
         fix="Broadcast the initial state (hvdp.torch.prepare does) and avoid rank-dependent code paths")
     if problem:
         raise DivergenceError(problem, rank=hvd.rank())
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, for any dtype (numpy has no bfloat16)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _check_same_model(model: torch.nn.Module) -> None:

@@ -3,12 +3,16 @@
 #include "shm_operations.h"
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -18,7 +22,9 @@
 
 #include "mpi.h"
 
+#include "../bfloat16.h"
 #include "../global_state.h"
+#include "../half.h"
 #include "../logging.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -35,11 +41,15 @@ namespace common {
 
 namespace {
 
-constexpr size_t kLine = 64;          // flags and parts sit on their own cache lines
-constexpr int kSpinsBeforeYield = 4096;
+constexpr size_t kLine = 64;  // each rank's barrier word and each part sit on their own cache lines
+// How long a rank spins on a peer's barrier word before it sleeps on it (a futex). Ranks that arrive
+// together meet within a few microseconds; a peer that is later than this is descheduled or busy, and
+// spinning on would take the core it needs (on a host with as many ranks as cores, the usual case).
+constexpr auto kSpin = std::chrono::microseconds(50);
+constexpr long kSleepNanos = 100 * 1000 * 1000;  // a sleeper wakes this often to check the timeout
 
-static_assert(std::atomic<uint64_t>::is_always_lock_free,
-              "the barrier flags live in shared memory and must be lock-free");
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
+              "the barrier words live in shared memory and must be lock-free");
 
 struct Setup {  // what rank 0 tells the others
   char name[64];
@@ -55,55 +65,120 @@ size_t DefaultChunkBytes() {
   return l2 > 0 ? std::max<size_t>(static_cast<size_t>(l2) / 2, 64u << 10) : (256u << 10);
 }
 
-template <typename T>
-using ScaleType = typename std::conditional<std::is_same<T, float>::value, float, double>::type;
+// The value of environment variable `name` if it is a number in [low, high] (a whole number if `whole`),
+// else `fallback`, with a warning that names the variable, the value and what is used instead.
+double EnvNumber(const char* name, double fallback, double low, double high, bool whole, const char* unit) {
+  const char* text = std::getenv(name);
+  if (text == nullptr) {
+    return fallback;
+  }
+  char* end = nullptr;
+  errno = 0;
+  double value = std::strtod(text, &end);
+  bool ok = end != text && *end == '\0' && errno == 0 && std::isfinite(value) && value >= low &&
+            value <= high && (!whole || value == std::floor(value));
+  if (!ok) {
+    LOG(WARNING) << "hvdp: " << name << "='" << text << "' is not " << (whole ? "a whole number of " : "a number of ")
+                 << unit << " between " << low << " and " << high << "; using " << fallback << " instead";
+    return fallback;
+  }
+  return value;
+}
 
-// The sum in rank order of src[q][first + i] for every rank q, but for rank `own`, whose values come from
-// `own_in` times `prescale` (as Horovod's ScaleBuffer computes it). The sum goes to `shared` for the peers,
-// and times `postscale` to `out`.
+long Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
+// How each element type is reduced: Acc is the type the sum is kept in; Widen and Narrow convert an
+// element to it and back. Scaling follows Horovod's ScaleBuffer for the 32- and 64-bit types (an input is
+// scaled, rounded to its type, then added); the 16-bit types are widened to float32, scaled, summed and
+// scaled there, and rounded once.
 template <typename T>
-void SumInRankOrder(const std::vector<const T*>& src, size_t first, int own, const T* own_in, double prescale,
-                    double postscale, T* shared, T* out, size_t count) {
+struct Plain {
+  using Storage = T;
+  using Acc = T;
+  using Scale = typename std::conditional<std::is_same<T, float>::value, float, double>::type;
+  static constexpr bool kRoundEachInput = true;
+  static Acc Widen(T v) { return v; }
+  static T Narrow(Acc a) { return a; }
+};
+struct Float16 {
+  using Storage = uint16_t;
+  using Acc = float;
+  using Scale = float;
+  static constexpr bool kRoundEachInput = false;
+  static Acc Widen(uint16_t v) {
+    float f;
+    HalfBits2Float(&v, &f);
+    return f;
+  }
+  static uint16_t Narrow(Acc a) {
+    uint16_t h;
+    Float2HalfBits(&a, &h);
+    return h;
+  }
+};
+struct BFloat16Type {
+  using Storage = uint16_t;
+  using Acc = float;
+  using Scale = float;
+  static constexpr bool kRoundEachInput = false;
+  static Acc Widen(uint16_t v) { return BFloat16ToFloat(v); }
+  static uint16_t Narrow(Acc a) { return FloatToBFloat16(a); }
+};
+
+// The sum in rank order of src[q][first + i] for every rank q, but for rank `own`, whose values are read
+// from `own_in` (its input, in place); each input times `prescale`, the sum times `postscale`. The result
+// goes to `shared` for the peers and to `out`: the same bits for every rank.
+template <typename Tr>
+void ReduceInRankOrder(const std::vector<const typename Tr::Storage*>& src, size_t first, int own,
+                       const typename Tr::Storage* own_in, double prescale, double postscale,
+                       typename Tr::Storage* shared, typename Tr::Storage* out, size_t count) {
+  using T = typename Tr::Storage;
+  using Acc = typename Tr::Acc;
   constexpr size_t kBlock = 1024;
-  const auto pre = static_cast<ScaleType<T>>(prescale);
-  const auto post = static_cast<ScaleType<T>>(postscale);
-  T acc[kBlock], scaled[kBlock];
+  const auto pre = static_cast<typename Tr::Scale>(prescale);
+  const auto post = static_cast<typename Tr::Scale>(postscale);
+  Acc acc[kBlock];
   for (size_t b = 0; b < count; b += kBlock) {
     const size_t m = std::min(kBlock, count - b);
     for (size_t q = 0; q < src.size(); ++q) {
       const T* s = static_cast<int>(q) == own ? own_in + b : src[q] + first + b;
-      if (static_cast<int>(q) == own && prescale != 1.0) {
-        // Scaled on its own, rounded, then added: as MPI's path computes it (no fused multiply-add).
-        ScaleBufferCPUImpl(s, scaled, static_cast<int64_t>(m), pre);
-        s = scaled;
-      }
-      if (q == 0) {
-        std::memcpy(acc, s, m * sizeof(T));
+      if (prescale == 1.0) {
+        if (q == 0) {
+          for (size_t i = 0; i < m; ++i) acc[i] = Tr::Widen(s[i]);
+        } else {
+          for (size_t i = 0; i < m; ++i) acc[i] += Tr::Widen(s[i]);
+        }
       } else {
-        for (size_t i = 0; i < m; ++i) acc[i] += s[i];
+        // Scaled on its own, then added (no fused multiply-add): as MPI's path computes it.
+        for (size_t i = 0; i < m; ++i) {
+          Acc v = Tr::kRoundEachInput ? static_cast<Acc>(static_cast<T>(pre * Tr::Widen(s[i])))
+                                      : static_cast<Acc>(pre * Tr::Widen(s[i]));
+          acc[i] = q == 0 ? v : acc[i] + v;
+        }
       }
     }
-    std::memcpy(shared + b, acc, m * sizeof(T));
+    T* to = out + b;
     if (postscale == 1.0) {
-      std::memcpy(out + b, acc, m * sizeof(T));
+      for (size_t i = 0; i < m; ++i) to[i] = Tr::Narrow(acc[i]);
     } else {
-      for (size_t i = 0; i < m; ++i) out[b + i] = post * acc[i];
+      for (size_t i = 0; i < m; ++i) to[i] = Tr::Narrow(static_cast<Acc>(post * acc[i]));
     }
-  }
-}
-
-// Copies `bytes` from `from` to `to`, multiplied by `scale` unless it is 1 (as Horovod's ScaleBuffer does).
-template <typename T>
-void CopyScaled(const char* from, char* to, size_t bytes, double scale) {
-  if (scale == 1.0) {
-    std::memcpy(to, from, bytes);
-  } else {
-    ScaleBufferCPUImpl(reinterpret_cast<const T*>(from), reinterpret_cast<T*>(to),
-                       static_cast<int64_t>(bytes / sizeof(T)), static_cast<ScaleType<T>>(scale));
+    std::memcpy(shared + b, to, m * sizeof(T));
   }
 }
 
 } // namespace
+
+// One cache line per rank in the segment: its barrier generation, and a futex word peers sleep on.
+struct ShmAllreduce::RankLine {
+  std::atomic<uint64_t> generation;
+  std::atomic<uint32_t> wake;      // the low half of `generation`, stored after it
+  std::atomic<uint32_t> sleepers;  // peers asleep (or about to sleep) on `wake`
+};
+static_assert(sizeof(ShmAllreduce::RankLine) <= kLine, "a rank's barrier words fit one cache line");
 
 ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
     : AllreduceOp(global_state) {
@@ -133,11 +208,11 @@ ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
   int fd = -1;
   int error = 0;  // why this rank could not map the segment
   if (rank_ == 0) {
-    const char* chunk_env = std::getenv("HVDP_SHM_CHUNK_BYTES");
-    const char* timeout_env = std::getenv("HVDP_SHM_TIMEOUT_SECONDS");
-    size_t chunk = chunk_env ? std::strtoull(chunk_env, nullptr, 10) : DefaultChunkBytes();
+    // Checked here for raw Horovod users; hvdp's init() refuses a bad value before Horovod starts.
+    auto chunk = static_cast<size_t>(EnvNumber("HVDP_SHM_CHUNK_BYTES", static_cast<double>(DefaultChunkBytes()),
+                                               1, static_cast<double>(1ull << 40), true, "bytes"));
     setup.chunk_bytes = std::max<size_t>((chunk + kLine - 1) / kLine * kLine, kLine * size_);
-    setup.timeout_seconds = timeout_env ? std::atof(timeout_env) : 60.0;
+    setup.timeout_seconds = EnvNumber("HVDP_SHM_TIMEOUT_SECONDS", 60.0, 0.001, 1e9, false, "seconds");
     std::snprintf(setup.name, sizeof(setup.name), "/hvdp-shm-%d-%lld", static_cast<int>(getpid()),
                   static_cast<long long>(std::chrono::steady_clock::now().time_since_epoch().count()));
     fd = shm_open(setup.name, O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -169,7 +244,10 @@ ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
   }
   if (ok && rank_ == 0) {
     for (int p = 0; p < size_; ++p) {
-      new (static_cast<char*>(mapping_) + kLine * p) std::atomic<uint64_t>(0);
+      auto* line = new (static_cast<char*>(mapping_) + kLine * p) RankLine;
+      line->generation.store(0);
+      line->wake.store(0);
+      line->sleepers.store(0);
     }
   }
   int all_ok = 0;
@@ -214,51 +292,79 @@ bool ShmAllreduce::Enabled(const ParameterManager& param_manager,
     return false;
   }
   switch (entries[0].tensor->dtype()) {
+  case HOROVOD_FLOAT16:
+  case HOROVOD_BFLOAT16:
   case HOROVOD_FLOAT32:
   case HOROVOD_FLOAT64:
   case HOROVOD_INT32:
   case HOROVOD_INT64:
     return true;
   default:
-    return false;  // float16 and the rest: MPI's allreduce
+    return false;  // int8, uint8, int16, bool: MPI's allreduce
   }
 }
 
-std::atomic<uint64_t>& ShmAllreduce::Flag(int rank) const {
-  return *reinterpret_cast<std::atomic<uint64_t>*>(flags_ + kLine * rank);
+ShmAllreduce::RankLine& ShmAllreduce::Line(int rank) const {
+  return *reinterpret_cast<RankLine*>(flags_ + kLine * rank);
 }
 
 char* ShmAllreduce::Slot(int rank, int which) const {
   return slots_ + (static_cast<size_t>(rank) * 2 + which) * chunk_bytes_;
 }
 
+// Every rank raises its generation, then waits until every peer's is as high: spinning for kSpin, then
+// asleep on the peer's futex word, which the peer wakes when it arrives and sees a sleeper. (The sleeper
+// counts itself before it reads the generation, the arriving rank publishes its generation before it reads
+// the count, all sequentially consistent: one of the two always sees the other.)
 void ShmAllreduce::Barrier(const char* phase, const std::string& tensor) {
   ++generation_;
-  Flag(rank_).store(generation_, std::memory_order_release);
+  RankLine& me = Line(rank_);
+  me.generation.store(generation_);
+  me.wake.store(static_cast<uint32_t>(generation_));
+  if (me.sleepers.load() > 0) {
+    Futex(&me.wake, FUTEX_WAKE, INT_MAX, nullptr);
+  }
   for (int p = 0; p < size_; ++p) {
-    std::atomic<uint64_t>& flag = Flag(p);
-    long spins = 0;
-    std::chrono::steady_clock::time_point since;
-    while (flag.load(std::memory_order_acquire) < generation_) {
-      if (++spins < kSpinsBeforeYield) {
-        HVDP_CPU_RELAX();
-        continue;
-      }
-      if (spins == kSpinsBeforeYield) {
-        since = std::chrono::steady_clock::now();
-      }
-      std::this_thread::yield();
-      if (spins % 1024 == 0 &&
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count() > timeout_seconds_) {
-        broken_ = true;
-        throw std::runtime_error(
-            "hvdp shared-memory allreduce: rank " + std::to_string(p) + " did not reach the " + phase +
-            " step of '" + tensor + "' within " + std::to_string(static_cast<int>(timeout_seconds_)) +
-            " s (rank " + std::to_string(rank_) + " waited for it): it died, hangs or is stopped. "
-            "HVDP_SHM_TIMEOUT_SECONDS sets this limit; HVDP_SHM_ALLREDUCE=0 uses MPI's allreduce instead.");
+    if (p == rank_) {
+      continue;
+    }
+    RankLine& peer = Line(p);
+    if (peer.generation.load(std::memory_order_acquire) >= generation_) {
+      continue;
+    }
+    const auto since = std::chrono::steady_clock::now();
+    for (int spins = 1; peer.generation.load(std::memory_order_acquire) < generation_; ++spins) {
+      HVDP_CPU_RELAX();
+      if (spins % 64 == 0 && std::chrono::steady_clock::now() - since > kSpin) {
+        Sleep(peer, p, since, phase, tensor);
+        break;
       }
     }
   }
+}
+
+void ShmAllreduce::Sleep(RankLine& peer, int p, std::chrono::steady_clock::time_point since, const char* phase,
+                         const std::string& tensor) {
+  peer.sleepers.fetch_add(1);
+  while (true) {
+    const uint32_t seen = peer.wake.load();
+    if (peer.generation.load() >= generation_) {
+      break;
+    }
+    const timespec nap{0, kSleepNanos};
+    Futex(&peer.wake, FUTEX_WAIT, seen, &nap);
+    if (peer.generation.load() < generation_ &&
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count() > timeout_seconds_) {
+      peer.sleepers.fetch_sub(1);
+      broken_ = true;
+      throw std::runtime_error(
+          "hvdp shared-memory allreduce: rank " + std::to_string(p) + " did not reach the " + phase +
+          " step of '" + tensor + "' within " + std::to_string(timeout_seconds_) + " s (rank " +
+          std::to_string(rank_) + " waited for it): it died, hangs or is stopped. "
+          "HVDP_SHM_TIMEOUT_SECONDS sets this limit; HVDP_SHM_ALLREDUCE=0 uses MPI's allreduce instead.");
+    }
+  }
+  peer.sleepers.fetch_sub(1);
 }
 
 // Calls fn(piece, offset in the piece, offset in the buffer, bytes) for each piece's share of the buffer's
@@ -275,18 +381,22 @@ void ForEachPiece(const std::vector<ShmAllreduce::Piece>& pieces, const std::vec
   }
 }
 
-template <typename T>
+template <typename Tr>
 void ShmAllreduce::Run(const std::vector<Piece>& pieces, size_t total_bytes, double prescale,
                        double postscale, const std::string& tensor) {
+  using T = typename Tr::Storage;
   std::vector<size_t> starts(pieces.size());
   for (size_t i = 0, at = 0; i < pieces.size(); at += pieces[i].bytes, ++i) {
     starts[i] = at;
   }
   const size_t line_elems = kLine / sizeof(T);
   std::vector<const T*> sources(size_);
-  for (size_t done = 0, k = 0; done < total_bytes; ++k) {
+  for (size_t done = 0; done < total_bytes;) {
     const size_t m = std::min(chunk_bytes_, total_bytes - done);
-    const int which = static_cast<int>(k & 1);
+    // The slots alternate with every chunk this op has ever run, not only within one response: a fast rank
+    // may start the next response (Horovod runs a cycle's responses back to back) while a slower one still
+    // reads the last chunk's slots in step 3, and the next chunk's parts need not have the same bounds.
+    const int which = static_cast<int>(chunks_++ & 1);
     char* mine = Slot(rank_, which);
     // Rank p reduces part p of the chunk: whole cache lines, so no two ranks write the same line.
     const size_t elems = m / sizeof(T);
@@ -296,30 +406,30 @@ void ShmAllreduce::Run(const std::vector<Piece>& pieces, size_t total_bytes, dou
 
     // 1. The peers' parts of this rank's input into its slot (its own part it reads in place, in 2).
     auto copy_in = [&](const Piece& piece, size_t at, size_t offset, size_t n) {
-      CopyScaled<T>(piece.in + at, mine + (offset - done), n, prescale);
+      std::memcpy(mine + (offset - done), piece.in + at, n);
     };
     ForEachPiece(pieces, starts, done, done + lo, copy_in);
     ForEachPiece(pieces, starts, done + hi, done + m, copy_in);
     Barrier("copy-in", tensor);
 
-    // 2. This rank's part: the sum over all ranks, into its slot for the peers and scaled into its output.
+    // 2. This rank's part: the scaled sum over all ranks, into its slot for the peers and into its output.
     for (int p = 0; p < size_; ++p) {
       sources[p] = reinterpret_cast<const T*>(Slot(p, which));
     }
     ForEachPiece(pieces, starts, done + lo, done + hi, [&](const Piece& piece, size_t at, size_t offset, size_t n) {
       const size_t first = (offset - done) / sizeof(T);
-      SumInRankOrder(sources, first, rank_, reinterpret_cast<const T*>(piece.in + at), prescale, postscale,
-                     reinterpret_cast<T*>(mine) + first, reinterpret_cast<T*>(piece.out + at), n / sizeof(T));
+      ReduceInRankOrder<Tr>(sources, first, rank_, reinterpret_cast<const T*>(piece.in + at), prescale, postscale,
+                            reinterpret_cast<T*>(mine) + first, reinterpret_cast<T*>(piece.out + at), n / sizeof(T));
     });
     Barrier("reduce", tensor);
 
-    // 3. The peers' parts, reduced by each of them, into this rank's output.
+    // 3. The peers' parts, reduced and scaled by each of them, into this rank's output.
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       const char* from = Slot(p, which);
       ForEachPiece(pieces, starts, done + part_begin(p), done + part_begin(p + 1),
                    [&](const Piece& piece, size_t at, size_t offset, size_t n) {
-                     CopyScaled<T>(from + (offset - done), piece.out + at, n, postscale);
+                     std::memcpy(piece.out + at, from + (offset - done), n);
                    });
     }
     done += m;
@@ -351,17 +461,23 @@ Status ShmAllreduce::Execute(std::vector<TensorTableEntry>& entries, const Respo
   auto& timeline = global_state_->timeline;
   timeline.ActivityStartAll(entries, "SHM_ALLREDUCE");
   switch (entries[0].tensor->dtype()) {
+  case HOROVOD_FLOAT16:
+    Run<Float16>(pieces, total, prescale, postscale, tensor);
+    break;
+  case HOROVOD_BFLOAT16:
+    Run<BFloat16Type>(pieces, total, prescale, postscale, tensor);
+    break;
   case HOROVOD_FLOAT32:
-    Run<float>(pieces, total, prescale, postscale, tensor);
+    Run<Plain<float>>(pieces, total, prescale, postscale, tensor);
     break;
   case HOROVOD_FLOAT64:
-    Run<double>(pieces, total, prescale, postscale, tensor);
+    Run<Plain<double>>(pieces, total, prescale, postscale, tensor);
     break;
   case HOROVOD_INT32:
-    Run<int32_t>(pieces, total, prescale, postscale, tensor);
+    Run<Plain<int32_t>>(pieces, total, prescale, postscale, tensor);
     break;
   case HOROVOD_INT64:
-    Run<int64_t>(pieces, total, prescale, postscale, tensor);
+    Run<Plain<int64_t>>(pieces, total, prescale, postscale, tensor);
     break;
   default:
     throw std::logic_error("hvdp shared-memory allreduce: unsupported type " +

@@ -2,22 +2,28 @@
 // by docker/build_horovod.sh. Off unless HVDP_SHM_ALLREDUCE=1 (hvdp's runtime defaults set it); see the
 // README's "Benchmarks" for why it exists and what it measured.
 //
-// The ranks map one segment of /dev/shm holding two chunk slots per rank. A buffer (one tensor, or the
-// tensors of a fused response, which skip Horovod's fusion buffer) goes through in chunks of half an L2,
-// so the slots stay in cache and the buffer itself is read once and written once, like a memcpy. For each
-// chunk, rank r (of n) owns the r-th 1/n of it, on whole cache lines:
+// The ranks map one segment of /dev/shm holding one cache line of barrier words and two chunk slots per
+// rank. A buffer (one tensor, or the tensors of a fused response, which skip Horovod's fusion buffer) goes
+// through in chunks of half an L2, so the slots stay in cache and the buffer itself is read once and
+// written once, like a memcpy. For each chunk, rank r (of n) owns the r-th 1/n of it, on whole cache lines:
 //   1. it copies the other ranks' parts of its input into its slot;            barrier
-//   2. it sums its part over all ranks in rank order (its own input read in place), into its slot and
-//      into its output;                                                         barrier
-//   3. it copies every other rank's summed part from that rank's slot into its output.
-// The slots alternate between chunks, so a chunk's copy-in never overwrites a slot a slower peer is still
-// reading. Every rank gets the same bits, and with 2 ranks the same bits as MPI's allreduce.
-// Scaling (prescale, postscale, average) is applied while copying, as Horovod's ScaleBuffer computes it.
+//   2. it sums its part over all ranks in rank order (its own input read in place), scaled, into its slot
+//      and into its output;                                                     barrier
+//   3. it copies every other rank's finished part from that rank's slot into its output.
+// The slots alternate with every chunk the op runs, across responses too, so a chunk's copy-in never
+// overwrites a slot a slower peer is still reading: a rank writes slot s again only after the barrier of
+// the chunk in between, which every peer reaches only after step 3 of the chunk that last used s.
+// Every rank gets the same bits, and with 2 ranks the same bits as MPI's allreduce.
+// Types: float32, float64, int32 and int64 scale as Horovod's ScaleBuffer does (each input scaled and
+// rounded, then added); float16 and bfloat16 are widened to float32, scaled, summed in rank order, scaled
+// and rounded once. A barrier spins for 50 us, then sleeps on a futex, so a rank never holds a core that a
+// late peer needs.
 
 #ifndef HVDP_SHM_OPERATIONS_H
 #define HVDP_SHM_OPERATIONS_H
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -45,12 +51,15 @@ public:
     char* out;
     size_t bytes;
   };
+  struct RankLine;
 
 private:
   void Barrier(const char* phase, const std::string& tensor);
-  std::atomic<uint64_t>& Flag(int rank) const;
+  void Sleep(RankLine& peer, int p, std::chrono::steady_clock::time_point since, const char* phase,
+             const std::string& tensor);
+  RankLine& Line(int rank) const;
   char* Slot(int rank, int which) const;
-  template <typename T>
+  template <typename Tr>
   void Run(const std::vector<Piece>& pieces, size_t total_bytes, double prescale, double postscale,
            const std::string& tensor);
 
@@ -61,9 +70,10 @@ private:
   size_t chunk_bytes_ = 0;
   double timeout_seconds_ = 60;
   uint64_t generation_ = 0;
+  uint64_t chunks_ = 0;  // chunks run so far, by every response: chunk k uses slot k & 1
   void* mapping_ = nullptr;
   size_t mapping_bytes_ = 0;
-  char* flags_ = nullptr;  // one std::atomic<uint64_t> per rank, a cache line apart
+  char* flags_ = nullptr;  // one RankLine per rank, a cache line apart
   char* slots_ = nullptr;
 };
 

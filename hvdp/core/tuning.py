@@ -6,8 +6,11 @@ not, so `export NAME=value` (or horovodrun's own flags) always wins.
 
 from __future__ import annotations
 
+import math
 import os
-from typing import MutableMapping
+from typing import Mapping, MutableMapping
+
+from hvdp.core.errors import ConfigError
 
 RUNTIME_DEFAULTS: dict[str, str] = {
     # Ranks waiting inside MPI yield the core instead of spinning on it. On a host with as many ranks as
@@ -26,3 +29,28 @@ def apply_runtime_defaults(environ: MutableMapping[str, str] | None = None) -> d
     applied = {k: v for k, v in RUNTIME_DEFAULTS.items() if k not in env}
     env.update(applied)
     return applied
+
+
+def check_shm_settings(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a malformed setting of the shared-memory allreduce before Horovod reads it.
+
+    (Horovod's C++ op, reached without hvdp, warns and uses its default for such a value.)
+    """
+    env = os.environ if environ is None else environ
+    flag = env.get("HVDP_SHM_ALLREDUCE")
+    if flag is not None and flag not in ("0", "1"):
+        raise ConfigError(f"HVDP_SHM_ALLREDUCE must be 1 (on) or 0 (off), got {flag!r}")
+    chunk = env.get("HVDP_SHM_CHUNK_BYTES")
+    if chunk is not None:
+        if not (chunk.isdigit() and 0 < int(chunk) <= 1 << 40):
+            raise ConfigError(f"HVDP_SHM_CHUNK_BYTES must be a whole number of bytes from 1 to 2**40, got "
+                              f"{chunk!r}; unset it for the default (half the L2 cache)")
+    timeout = env.get("HVDP_SHM_TIMEOUT_SECONDS")
+    if timeout is not None:
+        try:
+            seconds = float(timeout)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and 0.001 <= seconds <= 1e9):
+            raise ConfigError(f"HVDP_SHM_TIMEOUT_SECONDS must be a number of seconds from 0.001 to 1e9, got "
+                              f"{timeout!r}; unset it for the default (60)")

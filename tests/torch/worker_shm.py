@@ -22,6 +22,7 @@ from tests.checks import check, main  # noqa: E402
 world = ht.init()
 hvd = ht.hvd
 SHM_ON = os.environ.get("HVDP_SHM_ALLREDUCE") == "1"
+EXPECTED_OP = os.environ.get("EXPECT_ALLREDUCE_OP", "SHM_ALLREDUCE" if SHM_ON else "MPI_ALLREDUCE")
 # Element counts around the 4 KiB chunks most launches use (1024 float32 elements): smaller, equal, crossing
 # one and many chunk boundaries, counts that do not split evenly among the ranks, and one that crosses the
 # default chunk (256 KiB here) too.
@@ -77,6 +78,54 @@ def average_and_scaling_match_horovods(tmp):
                   _reference(x, 0.3, 1.7), f"pre/postscaled {dtype} n={n}")
 
 
+def _reference_16bit(x, pre=1.0, post=1.0, average=False):
+    """16-bit floats as the shared-memory op reduces them: widened to float32, each input times `pre`, summed
+    in rank order, times `post` (and 1/size for an average), rounded once. MPI's path (the shared-memory op
+    off) rounds after every step instead: after the prescale, after each addition, after the postscale."""
+    parts = hvd.allgather(x.unsqueeze(0), name=f"shm.ref16.{x.dtype}.{x.numel()}").unbind(0)
+    post32 = torch.tensor(post / world.size if average else post, dtype=torch.float32)
+    pre32 = torch.tensor(pre, dtype=torch.float32)
+    if EXPECTED_OP == "SHM_ALLREDUCE":
+        total = parts[0].float() * pre32
+        for p in parts[1:]:
+            total = total + p.float() * pre32
+        return (total * post32).to(x.dtype)
+    scaled = [(p.float() * pre32).to(x.dtype) if pre != 1.0 else p for p in parts]
+    total = scaled[0]
+    for p in scaled[1:]:
+        total = (total.float() + p.float()).to(x.dtype)
+    return (total.float() * post32).to(x.dtype) if post32 != 1.0 else total
+
+
+@check
+def float16_and_bfloat16_sum_in_float32_rounded_once(tmp):
+    for dtype in (torch.float16, torch.bfloat16):
+        for n in SIZES:
+            x = _input(n, dtype, seed=3 * n)
+            _same(hvd.allreduce(x, op=hvd.Sum, name=f"shm.sum16.{dtype}.{n}"), _reference_16bit(x),
+                  f"sum {dtype} n={n}")
+            _same(hvd.allreduce(x, op=hvd.Average, name=f"shm.avg16.{dtype}.{n}"),
+                  _reference_16bit(x, average=True), f"average {dtype} n={n}")
+            _same(hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.3, postscale_factor=1.7, name=f"shm.sc16.{dtype}.{n}"),
+                  _reference_16bit(x, 0.3, 1.7), f"pre/postscaled {dtype} n={n}")
+    # Rounded once, not per step: three bfloat16 values whose float32 sum is exact but whose pairwise
+    # rounded sum is not (1 + 2**-8 rounds to 1 in bfloat16, while 1 + 2**-8 + 2**-8 is 1 + 2**-7).
+    if world.size == 3 and EXPECTED_OP == "SHM_ALLREDUCE":
+        x = torch.tensor([1.0 if world.rank == 0 else 2.0 ** -8] * 5, dtype=torch.bfloat16)
+        got = hvd.allreduce(x, op=hvd.Sum, name="shm.bf16.once")
+        assert torch.equal(got, torch.full((5,), 1 + 2.0 ** -7, dtype=torch.bfloat16)), got
+
+
+@check
+def bfloat16_broadcast_and_allgather(tmp):
+    x = _input(1025, torch.bfloat16, seed=5)
+    b = hvd.broadcast(x, root_rank=0, name="shm.bf16.bcast")
+    rows = hvd.allgather(b.unsqueeze(0), name="shm.bf16.bcast.gather")
+    assert b.dtype == torch.bfloat16 and all(torch.equal(rows[0], r) for r in rows), "broadcast differs"
+    g = hvd.allgather(x.unsqueeze(0), name="shm.bf16.gather")
+    assert g.dtype == torch.bfloat16 and torch.equal(g[world.rank], x), "allgather lost this rank's row"
+
+
 @check
 def fused_tensors_of_odd_sizes(tmp):
     # One grouped allreduce is one fused response: the chunks run across tensor boundaries, and an empty
@@ -108,17 +157,18 @@ def _activities(timeline: str) -> dict[str, set[str]]:
 
 @check
 def the_op_that_ran_is_the_one_configured(tmp):
-    # Horovod's timeline names the operation that executed each collective; float16 always takes MPI's.
+    # Horovod's timeline names the operation that executed each collective.
     path = tmp / "timeline.json"
     hvd.start_timeline(str(path), mark_cycles=False)
-    hvd.allreduce(torch.ones(4096), name="shm.timeline.f32")
-    hvd.allreduce(torch.ones(4096, dtype=torch.float16), name="shm.timeline.f16")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        hvd.allreduce(torch.ones(4096, dtype=dtype), name=f"shm.timeline.{dtype}")
+    hvd.allreduce(torch.ones(4096, dtype=torch.int16), name="shm.timeline.int16")
     hvd.stop_timeline()
     if world.rank == 0:
         found = _activities(path.read_text())
-        expected = os.environ.get("EXPECT_ALLREDUCE_OP", "SHM_ALLREDUCE" if SHM_ON else "MPI_ALLREDUCE")
-        assert expected in found["allreduce.shm.timeline.f32"], found
-        assert "MPI_ALLREDUCE" in found["allreduce.shm.timeline.f16"], found
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            assert EXPECTED_OP in found[f"allreduce.shm.timeline.{dtype}"], (dtype, found)
+        assert "MPI_ALLREDUCE" in found["allreduce.shm.timeline.int16"], found  # a type the op leaves to MPI
 
 
 if __name__ == "__main__":
