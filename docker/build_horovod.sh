@@ -33,6 +33,10 @@ apply_fixes() {
     # float32, rounded once per step), scaling, NCCL's ncclBfloat16, and torch's BFloat16Tensor bindings.
     patch -s -p1 -d "$1" < "$here/horovod/bfloat16.patch"
     grep -q 'HOROVOD_BFLOAT16 = 10' "$1/horovod/common/message.h" || { echo "bfloat16 patch failed" >&2; exit 1; }
+    # Fix 5: horovod.torch's synchronize() polled its handle in a sched_yield loop, one busy core per rank
+    # while it waits; it now blocks on a condition variable that the background thread signals.
+    patch -s -p1 -d "$1" < "$here/horovod/torch_wait.patch"
+    grep -q 'handle_manager.WaitHandle(handle)' "$1/horovod/torch/mpi_ops_v2.cc" || { echo "torch wait patch failed" >&2; exit 1; }
     # Addition (not a repair): hvdp's shared-memory allreduce for ranks on one host, tried before MPI's.
     # docker/horovod/shm_operations.cc says how it works; it is off unless HVDP_SHM_ALLREDUCE=1.
     cp "$here/horovod/shm_operations.h" "$here/horovod/shm_operations.cc" "$1/horovod/common/ops/"

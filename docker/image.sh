@@ -46,7 +46,7 @@ system() {
     # python:3.11-slim has its own python3 in /usr/local; a bare Debian or Ubuntu base gets the distro's,
     # in both stages, so the venv copied from the build stage finds the same interpreter.
     if [[ $1 == build ]]; then
-        want+=(libopenmpi-dev g++ make cmake)
+        want+=(libopenmpi-dev g++ make cmake patch)
         python_ok || want+=(python3 python3-venv python3-dev)
         # NVIDIA's -devel images ship NCCL; other CUDA bases get it from NVIDIA's apt repository.
         [[ $DEVICE == cuda && ! -e /usr/include/nccl.h ]] && want+=(libnccl-dev)

@@ -23,6 +23,7 @@ command -v mpicxx >/dev/null || missing+=(libopenmpi-dev)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
 command -v make >/dev/null || missing+=(make)
+command -v patch >/dev/null || missing+=(patch)  # build_horovod.sh applies docker/horovod/*.patch
 command -v ssh >/dev/null || missing+=(openssh-client)
 # The multihost tests run a real sshd per network-namespace host (tests/multihost).
 [[ -x /usr/sbin/sshd ]] || command -v sshd >/dev/null || missing+=(openssh-server)

@@ -140,7 +140,7 @@ void ReduceInRankOrder(const std::vector<const typename Tr::Storage*>& src, size
   constexpr size_t kBlock = 1024;
   const auto pre = static_cast<typename Tr::Scale>(prescale);
   const auto post = static_cast<typename Tr::Scale>(postscale);
-  Acc acc[kBlock];
+  Acc acc[kBlock], scaled[kBlock];
   for (size_t b = 0; b < count; b += kBlock) {
     const size_t m = std::min(kBlock, count - b);
     for (size_t q = 0; q < src.size(); ++q) {
@@ -152,11 +152,16 @@ void ReduceInRankOrder(const std::vector<const typename Tr::Storage*>& src, size
           for (size_t i = 0; i < m; ++i) acc[i] += Tr::Widen(s[i]);
         }
       } else {
-        // Scaled on its own, then added (no fused multiply-add): as MPI's path computes it.
+        // Scaled in a loop of its own, then added: as MPI's path computes it. In one expression the
+        // compiler would fuse the multiply and the add (-mfma), which rounds once where MPI rounds twice.
         for (size_t i = 0; i < m; ++i) {
-          Acc v = Tr::kRoundEachInput ? static_cast<Acc>(static_cast<T>(pre * Tr::Widen(s[i])))
-                                      : static_cast<Acc>(pre * Tr::Widen(s[i]));
-          acc[i] = q == 0 ? v : acc[i] + v;
+          scaled[i] = Tr::kRoundEachInput ? static_cast<Acc>(static_cast<T>(pre * Tr::Widen(s[i])))
+                                          : static_cast<Acc>(pre * Tr::Widen(s[i]));
+        }
+        if (q == 0) {
+          std::memcpy(acc, scaled, m * sizeof(Acc));
+        } else {
+          for (size_t i = 0; i < m; ++i) acc[i] += scaled[i];
         }
       }
     }

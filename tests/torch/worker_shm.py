@@ -157,18 +157,17 @@ def _activities(timeline: str) -> dict[str, set[str]]:
 
 @check
 def the_op_that_ran_is_the_one_configured(tmp):
-    # Horovod's timeline names the operation that executed each collective.
+    # Horovod's timeline names the operation that executed each collective. (Every dtype the torch bindings
+    # allreduce takes the shared-memory op when it is on.)
     path = tmp / "timeline.json"
     hvd.start_timeline(str(path), mark_cycles=False)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         hvd.allreduce(torch.ones(4096, dtype=dtype), name=f"shm.timeline.{dtype}")
-    hvd.allreduce(torch.ones(4096, dtype=torch.int16), name="shm.timeline.int16")
     hvd.stop_timeline()
     if world.rank == 0:
         found = _activities(path.read_text())
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             assert EXPECTED_OP in found[f"allreduce.shm.timeline.{dtype}"], (dtype, found)
-        assert "MPI_ALLREDUCE" in found["allreduce.shm.timeline.int16"], found  # a type the op leaves to MPI
 
 
 if __name__ == "__main__":
