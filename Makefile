@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 NP    ?= 2
 
-.PHONY: setup test test-fast train bench docker-test clean
+.PHONY: setup test test-fast soak train bench docker-test clean
 
 setup:
 	@bash docker/setup.sh
@@ -15,6 +15,11 @@ test: setup
 # The in-process core tests only: seconds, no launcher.
 test-fast:
 	$(PY) -m pytest -q tests/core
+
+# The in-flight collectives stress test at length: ITERATIONS per launch (about 1 s each at np=2).
+ITERATIONS ?= 1000
+soak: setup
+	HVDP_SOAK_ITERATIONS=$(ITERATIONS) $(PY) -m pytest -q tests/torch/test_inflight.py
 
 train: setup
 	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) $(PY) examples/train_torch.py

@@ -18,6 +18,9 @@ def env(**extra: str) -> dict:
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "examples"), e.get("PYTHONPATH", "")])
     e.setdefault("OMP_NUM_THREADS", "1")
     e["PYTHONUNBUFFERED"] = "1"
+    # A check that fails on one rank leaves its peers in the check's collectives: end such a job in two
+    # minutes, with Horovod naming the missing tensors, instead of at the test's timeout.
+    e.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "120")
     e.update(extra)
     return e
 

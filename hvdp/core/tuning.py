@@ -20,6 +20,12 @@ RUNTIME_DEFAULTS: dict[str, str] = {
     # (docker/horovod/shm_operations.cc, built into Horovod by `make setup`). At 64 MiB it measured about
     # 3x MPI's bus bandwidth here. No effect across hosts, with Gloo, or on a stock Horovod build.
     "HVDP_SHM_ALLREDUCE": "1",
+    # Ranks that submit different collectives (one rank skipped an allreduce, or took another branch after
+    # a result it alone saw) wait for each other forever: Horovod's stall inspector only warns, every 60 s,
+    # unless told to end the job. After 30 minutes it ends it on every rank, rank 0 naming each rank's
+    # missing tensors. (A peer that is merely slow, such as rank 0 writing a large checkpoint, is well
+    # inside that; hvdp's watchdog handles hung and vanished ranks much sooner.)
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "1800",
 }
 
 

@@ -29,3 +29,9 @@ def test_runtime_defaults_never_override_the_user():
     applied = apply_runtime_defaults(env)
     assert env["HVDP_SHM_ALLREDUCE"] == "0" and "HVDP_SHM_ALLREDUCE" not in applied
     assert env["OMPI_MCA_mpi_yield_when_idle"] == "1"
+
+
+def test_ranks_that_submit_different_collectives_are_ended_not_left_waiting():
+    env = {}
+    apply_runtime_defaults(env)
+    assert int(env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"]) > 60  # above the stall warning (60 s), so it fires
