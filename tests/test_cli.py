@@ -22,7 +22,8 @@ def test_doctor_explains_the_stack():
     for expected in ("torch", "keras", "horovod", "[X] PyTorch", "[X] TensorFlow", "[X] MPI", "[X] Gloo",
                      "Launcher: python (single process)", "Verdict: OK", "horovodrun -np 8 -H host1:4,host2:4",
                      # make setup's Horovod carries hvdp's allreduce; a stock one would say "not in this Horovod"
-                     "hvdp's shared-memory allreduce (one host, MPI): built in; HVDP_SHM_ALLREDUCE=1"):
+                     "hvdp's shared-memory allreduce (one host, MPI): built in; HVDP_SHM_ALLREDUCE=1",
+                     "bfloat16 tensors (torch): supported"):
         assert expected in out, f"{expected!r} missing from:\n{out}"
 
 

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 #include <type_traits>
@@ -362,9 +363,11 @@ void ShmAllreduce::Sleep(RankLine& peer, int p, std::chrono::steady_clock::time_
         std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count() > timeout_seconds_) {
       peer.sleepers.fetch_sub(1);
       broken_ = true;
+      std::ostringstream seconds;  // 2, 0.5: as the user wrote it, not 2.000000
+      seconds << timeout_seconds_;
       throw std::runtime_error(
           "hvdp shared-memory allreduce: rank " + std::to_string(p) + " did not reach the " + phase +
-          " step of '" + tensor + "' within " + std::to_string(timeout_seconds_) + " s (rank " +
+          " step of '" + tensor + "' within " + seconds.str() + " s (rank " +
           std::to_string(rank_) + " waited for it): it died, hangs or is stopped. "
           "HVDP_SHM_TIMEOUT_SECONDS sets this limit; HVDP_SHM_ALLREDUCE=0 uses MPI's allreduce instead.");
     }

@@ -47,16 +47,26 @@ def _built_by_hvdp() -> bool:
     return "/hvdp/wheels/" in origin or "/wheels/horovod-" in origin
 
 
-def has_shm_allreduce() -> bool | None:
-    """Whether the installed Horovod carries hvdp's shared-memory allreduce (docker/horovod/shm_operations.cc);
-    None when Horovod's PyTorch library is not found. Read from the library's bytes: nothing is imported."""
+def _torch_lib_has(marker: bytes) -> bool | None:
+    """Whether Horovod's PyTorch library contains `marker`; None when the library is not found. Read from
+    the library's bytes: nothing is imported."""
     import importlib.util
     spec = importlib.util.find_spec("horovod")
     libs = [p for d in (spec.submodule_search_locations or []) for p in Path(d).glob("torch/mpi_lib_v2*.so")] \
         if spec else []
     if not libs:
         return None
-    return b"hvdp shared-memory allreduce" in libs[0].read_bytes()
+    return marker in libs[0].read_bytes()
+
+
+def has_shm_allreduce() -> bool | None:
+    """Whether the installed Horovod carries hvdp's shared-memory allreduce (docker/horovod/shm_operations.cc)."""
+    return _torch_lib_has(b"hvdp shared-memory allreduce")
+
+
+def has_bfloat16() -> bool | None:
+    """Whether the installed Horovod's torch bindings take bfloat16 tensors (docker/horovod/bfloat16.patch)."""
+    return _torch_lib_has(b"horovod_torch_allreduce_async_torch_BFloat16Tensor")
 
 
 def _mpi_version() -> str | None:
@@ -114,6 +124,10 @@ def run(args) -> int:
         print(f"  hvdp's shared-memory allreduce (one host, MPI): "
               + (f"built in; HVDP_SHM_ALLREDUCE={state}" if shm else
                  "not in this Horovod, MPI's allreduce is used (`make setup` builds it in)"))
+    bf16 = has_bfloat16()
+    if bf16 is not None:
+        print("  bfloat16 tensors (torch): " + ("supported" if bf16 else
+              "not in this Horovod: a bf16 model fails in prepare() (`make setup` builds the support in)"))
 
     launcher = detect_launcher()
     world = World.from_env()

@@ -105,8 +105,10 @@ def bfloat16_and_float16_models_train_with_replicas_bit_identical(tmp):
                 assert all(p.grad.dtype == dtype for p in model.parameters())
                 opt.step()
                 ht.check_consistency(model)
-                losses.append(float(loss))
+                losses.append(loss.item())
         assert all(p.dtype == dtype for p in model.parameters())
+        # Every rank sees its own shard's losses: decide on their average, the same on every rank.
+        losses = hvd.allreduce(torch.tensor(losses), op=hvd.Average, name=f"bf16.losses.{dtype}").tolist()
         assert np.mean(losses[-4:]) < np.mean(losses[:4]), (dtype, losses)
 
 
