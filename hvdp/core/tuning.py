@@ -23,8 +23,9 @@ RUNTIME_DEFAULTS: dict[str, str] = {
     # Ranks that submit different collectives (one rank skipped an allreduce, or took another branch after
     # a result it alone saw) wait for each other forever: Horovod's stall inspector only warns, every 60 s,
     # unless told to end the job. After 30 minutes it ends it on every rank, rank 0 naming each rank's
-    # missing tensors (measured under MPI; under Gloo it was seen not to fire, see README). (A peer that is merely slow, such as rank 0 writing a large checkpoint, is well
-    # inside that; hvdp's watchdog handles hung and vanished ranks much sooner.)
+    # missing tensors (measured under MPI; under Gloo it was seen not to fire, see README). A peer that is
+    # merely slow, such as rank 0 writing a large checkpoint, is well inside that; hvdp's watchdog handles
+    # hung and vanished ranks much sooner.
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "1800",
 }
 

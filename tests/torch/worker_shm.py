@@ -21,8 +21,8 @@ from tests.checks import check, main  # noqa: E402
 
 world = ht.init()
 hvd = ht.hvd
-SHM_ON = os.environ.get("HVDP_SHM_ALLREDUCE") == "1"
-EXPECTED_OP = os.environ.get("EXPECT_ALLREDUCE_OP", "SHM_ALLREDUCE" if SHM_ON else "MPI_ALLREDUCE")
+EXPECTED_OP = os.environ.get("EXPECT_ALLREDUCE_OP",
+                             "SHM_ALLREDUCE" if os.environ.get("HVDP_SHM_ALLREDUCE") == "1" else "MPI_ALLREDUCE")
 # Element counts around the 4 KiB chunks most launches use (1024 float32 elements): smaller, equal, crossing
 # one and many chunk boundaries, counts that do not split evenly among the ranks, and one that crosses the
 # default chunk (256 KiB here) too.
