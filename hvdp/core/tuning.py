@@ -17,7 +17,7 @@ RUNTIME_DEFAULTS: dict[str, str] = {
     # cores the spinning rank steals the core its peer needs to finish its step.
     "OMPI_MCA_mpi_yield_when_idle": "1",
     # Ranks on one host all-reduce through shared memory, in cache-sized chunks, instead of MPI's ring
-    # (docker/horovod/shm_operations.cc, built into Horovod by `make setup`). At 64 MiB it measured about
+    # (csrc/horovod/shm_operations.cc, built into Horovod by `make setup`). At 64 MiB it measured about
     # 3x MPI's bus bandwidth here. No effect across hosts, with Gloo, or on a stock Horovod build.
     "HVDP_SHM_ALLREDUCE": "1",
     # Ranks that submit different collectives (one rank skipped an allreduce, or took another branch after

@@ -1,5 +1,5 @@
 // hvdp: a shared-memory allreduce for ranks that share one host, added to Horovod 0.28.1's CPU operations
-// by docker/build_horovod.sh. Off unless HVDP_SHM_ALLREDUCE=1 (hvdp's runtime defaults set it); see the
+// by scripts/build_horovod.sh. Off unless HVDP_SHM_ALLREDUCE=1 (hvdp's runtime defaults set it); see the
 // README's "Benchmarks" for why it exists and what it measured.
 //
 // The ranks map one segment of /dev/shm holding one cache line of barrier words and two chunk slots per
