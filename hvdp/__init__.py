@@ -5,6 +5,9 @@
     import hvdp.torch as hvdp_torch        # PyTorch
     import hvdp.tensorflow as hvdp_tf      # TensorFlow custom loops
     import hvdp.keras as hvdp_keras        # Keras 3 model.fit
+
+Here: TrainConfig (the shared training flags), World (rank and size) and the error classes. Each public
+function's contract: `python -m pydoc hvdp.torch` (or hvdp.tensorflow, hvdp.keras, hvdp.core.<module>).
 """
 
 from hvdp.core.config import TrainConfig

@@ -12,7 +12,9 @@ not work on Keras 3, horovod#4290, and Keras 3's trainer never calls the hooks w
 The optimizer averages gradients inside the compiled train step (model.fit calls its apply()); the
 callbacks broadcast rank 0's initial state before the first step, make the data order follow fit's epoch,
 average the epoch metrics over ranks, write/resume checkpoints (rank 0, atomic) and keep the progress bar
-on rank 0.
+on rank 0. Every rank runs the same script and the same model.fit. DistributedOptimizer, ScaledSchedule,
+average, evaluate, check_consistency, save_checkpoint, load_checkpoint and log are hvdp.tensorflow's
+(documented there too); errors are hvdp.core.errors classes.
 """
 
 from __future__ import annotations
@@ -40,11 +42,22 @@ from hvdp.tensorflow import (  # noqa: F401  (the shared implementation, re-expo
 
 
 def init(*, timeline: str | None = None) -> World:
-    """Initialise Horovod and return this process's World (see hvdp.tensorflow.init)."""
+    """Initialise Horovod and return this process's World (see hvdp.tensorflow.init).
+
+    Every rank must call it. Safe to call twice.
+
+    Args:
+        timeline: write Horovod's timeline (Chrome trace of every collective) to this path (default None).
+
+    Raises:
+        SetupError: launched by an MPI launcher, but Horovod was built without MPI.
+        ConfigError: a malformed HVDP_SHM_* or HVDP_WATCHDOG_TIMEOUT environment variable.
+    """
     return _tf.init(timeline=timeline)
 
 
 def world() -> World:
+    """This process's World (rank, size, local_rank, local_size); call init() first (Horovod raises before)."""
     return _tf.world()
 
 
@@ -54,6 +67,18 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
     The epoch order depends only on (seed, epoch), not on TensorFlow's global seed, so one process with
     batch N*b sees at every step the union of what N ranks see with batch b. Pass the dataset to
     callbacks(data=...) too: the order then follows fit's epoch number, so a resumed fit continues exactly.
+    The dataset declares its number of batches (the steps per epoch), which fit's progress bar needs.
+
+    Args:
+        data: an array, a tuple of arrays (x, y), or a finite tf.data.Dataset of samples; the same on
+            every rank.
+        batch_size: samples per rank per batch, from 1 to len(data) // size.
+        shuffle: a new order every epoch (default True).
+        seed: the seed of the epoch order (default 0).
+        drop_last: drop the last, partial global batch of each epoch (default False: split it evenly).
+
+    Raises:
+        ConfigError: see hvdp.tensorflow.shard (empty or infinite data, a batch size that does not fit).
     """
     dataset = _tf.shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
     position = dataset.hvdp_position
@@ -73,7 +98,17 @@ class _RankZeroProgbar(keras.callbacks.ProgbarLogger):
 
 
 class DistributedCallback(keras.callbacks.Callback):
-    """What model.fit needs for data parallelism; see callbacks()."""
+    """What model.fit needs for data parallelism; see callbacks(), which builds it (use that).
+
+    Args:
+        data: the dataset shard() returned, or None.
+        checkpoint_dir: write a checkpoint at every epoch end and resume from the newest (default None: off).
+        keep: how many checkpoints to keep, an integer >= 1 (default 3).
+        average_metrics: average the epoch's numeric logs over ranks (default True).
+
+    Raises:
+        ConfigError: `data` was not made by shard(), or `keep` is not an integer >= 1.
+    """
 
     def __init__(self, *, data=None, checkpoint_dir: str | Path | None = None, keep: int = 3,
                  average_metrics: bool = True):
@@ -89,6 +124,15 @@ class DistributedCallback(keras.callbacks.Callback):
         self.resumed: dict | None = None
 
     def on_train_begin(self, logs=None):
+        """Check the setup, turn XLA off, then resume the newest checkpoint or broadcast rank 0's state.
+
+        Runs on every rank at fit's start (collective); `logs` is unused.
+
+        Raises:
+            ConfigError: in a multi-rank job the model was not compiled with DistributedOptimizer, or the
+                model is not built yet (no weights to broadcast).
+            CheckpointError: the newest checkpoint cannot be resumed (see load_checkpoint).
+        """
         model = self.model
         optimizer = model.optimizer
         if hvd.size() > 1 and not isinstance(optimizer, DistributedOptimizer):
@@ -114,14 +158,20 @@ class DistributedCallback(keras.callbacks.Callback):
             _tf.broadcast(model, optimizer)  # builds the optimizer's state first: no fake step
 
     def on_train_end(self, logs=None):
+        """Forget the resumed epoch, so that a later fit() starts from its own initial_epoch; `logs` unused."""
         if self.resumed is not None:
             self.model._initial_epoch = None
 
     def on_epoch_begin(self, epoch, logs=None):
+        """Set the data order to fit's `epoch` (when `data` was given); `logs` is unused."""
         if self.data is not None:
             self.data.hvdp_position.set(epoch)
 
     def on_epoch_end(self, epoch, logs=None):
+        """Average the numeric `logs` over ranks in place and write the checkpoint of `epoch` + 1.
+
+        Collective (fit runs it on every rank): the ranks must log the same metric names.
+        """
         if self.average_metrics and logs and hvd.size() > 1:
             keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.floating, np.integer)))
             values = hvd.allreduce(tf.constant([float(logs[k]) for k in keys], tf.float64), op=hvd.Average,
@@ -144,6 +194,21 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
     - shows fit's progress bar (verbose=1 or 2) on rank 0 only.
 
     Learning-rate scaling and warmup live in DistributedOptimizer (a LearningRateSchedule), not here.
+    Every rank must call it and pass the callbacks to the same model.fit; model.fit runs collectives in them.
+    A model compiled with jit_compile gets its train step rebuilt without XLA (Horovod's ops are not XLA ops).
+
+    Args:
+        data: the dataset hvdp.keras.shard returned (default None: the order is not tied to fit's epoch).
+        checkpoint_dir: write a checkpoint at every epoch end and resume from the newest (default None: off);
+            needs `data`.
+        keep: how many checkpoints to keep, an integer >= 1 (default 3).
+        average_metrics: average the epoch's numeric logs over ranks (default True).
+
+    Returns:
+        [DistributedCallback, fit's progress bar silenced on ranks other than 0].
+
+    Raises:
+        ConfigError: `checkpoint_dir` without `data`; `data` not from shard(); `keep` < 1.
     """
     if checkpoint_dir is not None and data is None:
         raise ConfigError("callbacks(checkpoint_dir=...) needs data=<the dataset hvdp.keras.shard returned>: a "
@@ -158,6 +223,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
     One all-reduce of (sum, sum of squares, count) per call, differentiable; in inference it is plain
     BatchNormalization. (Horovod's SyncBatchNormalization does not work on Keras 3: it passes `fused`.)
+    Takes keras.layers.BatchNormalization's arguments. In training with 2+ ranks every rank must call the
+    layer the same number of times, in the same order (one all-reduce each). Serialisable.
     """
 
     def _moments(self, inputs, mask):

@@ -23,6 +23,12 @@ Horovod's own Keras layer (horovod.tensorflow.keras) does not work on Keras 3 (h
 here uses it: gradients are averaged with horovod.tensorflow.grouped_allreduce inside the optimizer's
 apply(), which both custom loops and Keras 3's model.fit call inside their compiled step. hvdp.keras builds
 its callbacks on the functions of this module.
+
+Run the same script on every rank. Functions marked "every rank must call it" run a collective: a rank that
+skips one, or calls them in another order, leaves the others waiting (hvdp's watchdog then ends the job).
+Errors are hvdp.core.errors classes, raised on every rank where the check is collective. Importing this
+module imports TensorFlow, Keras and horovod.tensorflow, and raises SetupError when Horovod is missing or was
+built without TensorFlow.
 """
 
 from __future__ import annotations
@@ -53,9 +59,23 @@ FRAMEWORK = "tensorflow"  # the checkpoint tag: hvdp.tensorflow and hvdp.keras w
 def init(*, timeline: str | None = None) -> World:
     """Initialise Horovod (horovodrun, mpirun, or plain python as size 1) and return this process's World.
 
-    `timeline`: write Horovod's timeline (Chrome trace of every collective) to this path.
-    Unless OMP_NUM_THREADS is set, each rank gets an equal share of the host's cores for TensorFlow's
-    thread pools (TensorFlow would otherwise start one thread per core in every rank).
+    Every rank must call it (Horovod's init and the watchdog's address exchange are collective); a second
+    call returns the World again. Before Horovod starts, hvdp's runtime defaults (hvdp.core.tuning) are set
+    where the environment lacks them, and for 2+ ranks the watchdog starts (unless HVDP_WATCHDOG=0 or
+    elastic mode). Unless OMP_NUM_THREADS is set, each rank gets an equal share of the host's cores for
+    TensorFlow's thread pools (TensorFlow would otherwise start one thread per core in every rank); if an
+    op already ran, TensorFlow's pools are kept as they are.
+
+    Args:
+        timeline: write Horovod's timeline (Chrome trace of every collective) to this path; default None:
+            no timeline.
+
+    Returns:
+        This process's World (rank, size, local_rank, local_size).
+
+    Raises:
+        SetupError: launched by mpirun or horovodrun's MPI mode, but Horovod was built without MPI.
+        ConfigError: a malformed HVDP_SHM_* or HVDP_WATCHDOG_TIMEOUT environment variable.
     """
     w = _horovod.init("tensorflow", timeline)[1]
     if "OMP_NUM_THREADS" not in os.environ:
@@ -69,11 +89,15 @@ def init(*, timeline: str | None = None) -> World:
 
 
 def world() -> World:
+    """This process's World (rank, size, local_rank, local_size); call init() first (Horovod raises before)."""
     return World.from_horovod(hvd)
 
 
 def barrier() -> None:
-    """Wait until every rank gets here (horovod.tensorflow has no barrier(): a one-number all-reduce is one)."""
+    """Wait until every rank gets here (horovod.tensorflow has no barrier(): a one-number all-reduce is one).
+
+    Every rank must call it; a no-op in a world of size 1. Call init() first.
+    """
     if hvd.size() > 1:
         hvd.allreduce(tf.constant(0.0), op=hvd.Sum, name="hvdp.barrier")
 
@@ -93,7 +117,18 @@ def allreduce_gradients(grads: Iterable, *, compression: str = "none") -> list:
     """Average gradients over all ranks with one grouped all-reduce; None entries stay None.
 
     Works eagerly and inside tf.function. fp16 compression halves the bytes on the wire; the result is
-    cast back to each gradient's dtype.
+    cast back to each gradient's dtype. Every rank must call it, with gradients of the same shapes and
+    dtypes, None at the same places. No collective in a world of size 1 or when every entry is None.
+
+    Args:
+        grads: the gradients, tensors, tf.IndexedSlices (densified) or None, in a fixed order.
+        compression: "none" (default) or "fp16".
+
+    Returns:
+        A list of the averaged gradients, in the same order.
+
+    Raises:
+        ConfigError: `compression` is not "none" or "fp16".
     """
     _check_compression(compression)
     grads = list(grads)
@@ -123,6 +158,14 @@ class DistributedGradientTape:
     plain optimizer whose rate hvdp_tf.scale_learning_rate set. LR scaling, warmup and accumulation of
     several backward passes live in DistributedOptimizer: a tape cannot hold back an optimizer step.
     Use one or the other, not both (they would average twice: harmless, but twice the traffic).
+    Other tape methods (watch, stop_recording, jacobian...) are the wrapped tape's.
+
+    Args:
+        tape: the tf.GradientTape that recorded the loss.
+        compression: "none" (default) or "fp16" on the wire.
+
+    Raises:
+        ConfigError: `compression` is not "none" or "fp16".
     """
 
     def __init__(self, tape: tf.GradientTape, *, compression: str = "none"):
@@ -131,6 +174,16 @@ class DistributedGradientTape:
         self._compression = compression
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):
+        """tf.GradientTape.gradient, then the gradients averaged over all ranks (allreduce_gradients).
+
+        Every rank must call it, for sources of the same structure, shapes and dtypes.
+
+        Args:
+            target: the tensor to differentiate (the loss).
+            sources: a variable, or a nested structure of them; the result has the same structure.
+            output_gradients: as for tf.GradientTape.gradient (default None).
+            kwargs: further keywords for tf.GradientTape.gradient (unconnected_gradients).
+        """
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
         flat = tf.nest.flatten(grads)
         return tf.nest.pack_sequence_as(grads, allreduce_gradients(flat, compression=self._compression))
@@ -152,7 +205,13 @@ class DistributedGradientTape:
 class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """base(step) x multiplier x warmup factor, the factors computed by hvdp.core.scaling.warmup_factor.
 
-    `base` is a float or another LearningRateSchedule; `step` counts optimizer steps (not backward passes).
+    `step` counts optimizer steps (not backward passes). Serialisable (model.save / load_model).
+
+    Args:
+        base: the base rate, a float or another LearningRateSchedule.
+        multiplier: hvdp.core.scaling.lr_multiplier's result.
+        warmup_steps: optimizer steps over which the rate ramps from base(step) to base(step) * multiplier
+            (default 0: no warmup).
     """
 
     def __init__(self, base, multiplier: float, warmup_steps: int = 0):
@@ -169,11 +228,13 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return tf.cast(base, tf.float32) * (self.multiplier * factor)
 
     def get_config(self):
+        """Keras serialisation: {"base" (serialised if a schedule), "multiplier", "warmup_steps"}."""
         base = keras.saving.serialize_keras_object(self.base) if callable(self.base) else self.base
         return {"base": base, "multiplier": self.multiplier, "warmup_steps": self.warmup_steps}
 
     @classmethod
     def from_config(cls, config):
+        """Rebuild a ScaledSchedule from get_config()'s `config`."""
         base = config["base"]
         if isinstance(base, dict):
             base = keras.saving.deserialize_keras_object(base)
@@ -182,7 +243,19 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
 def scale_learning_rate(optimizer: keras.optimizers.Optimizer, multiplier: float, warmup_steps: int = 0) -> None:
     """Scale `optimizer`'s learning rate in place by `multiplier`, ramping from the base rate over
-    `warmup_steps` optimizer steps. A float rate stays a (settable) variable when there is no warmup."""
+    `warmup_steps` optimizer steps. A float rate stays a (settable) variable when there is no warmup.
+
+    A LearningRateSchedule, or a float with warmup, becomes a ScaledSchedule. DistributedOptimizer already
+    does this; call it yourself only with a plain optimizer (e.g. after DistributedGradientTape).
+
+    Args:
+        optimizer: a Keras 3 optimizer whose rate is a float or a LearningRateSchedule.
+        multiplier: hvdp.core.scaling.lr_multiplier's result.
+        warmup_steps: the ramp's length in optimizer steps (default 0: no warmup).
+
+    Raises:
+        ConfigError: the optimizer's learning_rate is a plain callable (not a LearningRateSchedule).
+    """
     base = optimizer._learning_rate
     if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
         optimizer.learning_rate = ScaledSchedule(base, multiplier, warmup_steps)
@@ -212,7 +285,22 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
       schedules see the same steps as one process with the big batch.
 
     Subclasses Keras's Optimizer only because model.compile requires one; everything is delegated to the
-    wrapped optimizer (the same shape as keras.optimizers.LossScaleOptimizer).
+    wrapped optimizer (the same shape as keras.optimizers.LossScaleOptimizer). Calls init() if Horovod is
+    not initialised yet. Serialisable (model.save / load_model) without scaling the rate twice. Gradients
+    are always averaged: there is no op="sum" or Adasum here.
+
+    Args:
+        optimizer: the Keras 3 optimizer to wrap, with the base learning rate (scaled in place).
+        lr_scaling: "linear" (default: x size*k), "sqrt" or "none".
+        warmup_steps: an integer >= 0: optimizer steps of the ramp from the base rate (default 0).
+        compression: "none" (default) or "fp16".
+        backward_passes_per_step: k, an integer >= 1 (default 1).
+        name: the optimizer's name (default "distributed_<wrapped name>").
+
+    Raises:
+        ConfigError: `optimizer` is not a Keras 3 optimizer or is already a DistributedOptimizer; an unknown
+            `lr_scaling` or `compression`; `backward_passes_per_step` or `warmup_steps` out of range; the
+            wrapped optimizer sets gradient_accumulation_steps; its learning_rate is a plain callable.
     """
 
     def __init__(self, optimizer: keras.optimizers.Optimizer, *, lr_scaling: str = "linear",
@@ -242,6 +330,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             scale_learning_rate(optimizer, self.multiplier, warmup_steps)
 
     def build(self, var_list):
+        """Build the wrapped optimizer's state (and the k-pass accumulators) for the variables `var_list`."""
         if self.built:
             return
         var_list = list(var_list)
@@ -253,9 +342,23 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
+        """This optimizer's variables (the accumulation counter and accumulators), then the wrapped one's."""
         return self._variables[:] + self.inner_optimizer.variables
 
     def apply(self, grads, trainable_variables=None):
+        """Average `grads` across ranks and apply them with the wrapped optimizer (fit calls it each step).
+
+        With backward_passes_per_step=k, the gradients are summed locally and every k-th call applies
+        their average, all-reduced once. Every rank must call it, the same number of times.
+
+        Args:
+            grads: one gradient (or None) per variable.
+            trainable_variables: the variables, in the same order; needed on the first call, which builds
+                the optimizer (default None: the variables it was built with).
+
+        Raises:
+            ConfigError: the first call has no `trainable_variables`.
+        """
         grads = list(grads)
         if not self.built:
             if trainable_variables is None:
@@ -290,10 +393,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     @property
     def iterations(self):
+        """The wrapped optimizer's step counter: optimizer steps, not backward passes."""
         return self.inner_optimizer.iterations
 
     @property
     def learning_rate(self):
+        """The wrapped optimizer's (scaled) learning rate; setting it sets the wrapped optimizer's."""
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
@@ -304,18 +409,22 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             keras.optimizers.Optimizer.learning_rate.fset(self, value)
 
     def scale_loss(self, loss):
+        """The wrapped optimizer's scale_loss(`loss`) (loss scaling for mixed precision)."""
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
+        """Delegated to the wrapped optimizer (e.g. EMA weights written into `var_list` at fit's end)."""
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def get_config(self):
+        """Keras serialisation: the wrapped optimizer (holding the scaled rate) and the arguments."""
         return {"name": self.name, "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
                 "lr_scaling": self.lr_scaling, "warmup_steps": self.warmup_steps,
                 "compression": self.compression, "backward_passes_per_step": self.backward_passes_per_step}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        """Rebuild from get_config()'s `config`, resolving `custom_objects`; the rate is not scaled again."""
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
         return cls(inner, _scaled=True, **config)  # the saved inner optimizer already holds the scaled rate
 
@@ -380,7 +489,14 @@ def broadcast(model_or_variables, optimizer: keras.optimizers.Optimizer | None =
 
     Call it once before training (and after load_checkpoint is not needed: that already gives every rank
     the same state). A fresh Keras optimizer is built first, so its state exists (all zeros) and the
-    first step on every rank starts from rank 0's everything. One broadcast per dtype.
+    first step on every rank starts from rank 0's everything. One broadcast per dtype. Every rank must
+    call it, with models of the same variables. Calls init() if Horovod is not initialised yet.
+
+    Args:
+        model_or_variables: a Keras model (its weights: parameters and statistics such as BatchNorm's,
+            not the dropout seed states), a tf.Module (its variables), or a list of variables.
+        optimizer: also copy this Keras optimizer's state, building it first (default None: model only).
+        root_rank: the rank whose values everyone gets (default 0).
     """
     _ensure_init()
     _build_optimizer(optimizer, model_or_variables)
@@ -404,7 +520,11 @@ class ShardPosition:
     """Where a shard's next iteration starts: `epoch` and the batch `step` within it.
 
     Each iteration of the dataset takes the current position and moves to the start of the next epoch,
-    so the order advances by itself; set() moves it (resume, or hvdp.keras following fit's epoch)."""
+    so the order advances by itself; set() moves it (resume, or hvdp.keras following fit's epoch).
+
+    Args:
+        plan: the hvdp.core.sharding.ShardPlan of this rank (the `plan` attribute).
+    """
 
     def __init__(self, plan: ShardPlan):
         self.plan = plan
@@ -412,6 +532,7 @@ class ShardPosition:
         self.step = 0
 
     def set(self, epoch: int, step: int = 0) -> None:
+        """Make the next iteration run `epoch` from batch `step` (default 0: the epoch's start)."""
         self.epoch, self.step = int(epoch), int(step)
 
     def _begin(self) -> tuple[int, int]:
@@ -451,7 +572,22 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
     memory once). The epoch order depends only on (seed, epoch), never on TensorFlow's global seed;
     ranks get disjoint slices of each global batch, so N ranks with batch b see at every step exactly
     what one process with batch N*b sees. Each iteration is the next epoch (no set_epoch to forget);
-    the dataset's `hvdp_position` (a ShardPosition) says and sets where the next iteration starts.
+    the dataset's `hvdp_position` (a ShardPosition) says and sets where the next iteration starts; it is
+    lost if the dataset is transformed (.map returns a new one). Calls init() if needed.
+
+    Args:
+        data: the samples, as above; every rank passes the same.
+        batch_size: samples per rank per batch, from 1 to len(data) // size.
+        shuffle: a new order every epoch (default True).
+        seed: the seed of the epoch order (default 0).
+        drop_last: drop the last, partial global batch of each epoch (default False: split it evenly).
+
+    Returns:
+        A tf.data.Dataset of tuples of batched arrays, one per input array.
+
+    Raises:
+        ConfigError: an infinite (repeated) or empty dataset, arrays of different lengths, batch_size < 1,
+            fewer samples than ranks, or batch_size larger than each rank's share.
     """
     w = _ensure_init()
     arrays = _as_arrays(data)
@@ -473,13 +609,31 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
 # ----------------------------------------------------------------------------------------- collectives
 
 def average(value, name: str = "hvdp.average") -> float:
-    """The mean of a scalar over all ranks (for metrics and logging). Every rank must call it."""
+    """The mean of a scalar over all ranks (for metrics and logging). Every rank must call it.
+
+    Args:
+        value: a number or a one-element tensor (computed in float64).
+        name: the all-reduce's name in Horovod (default "hvdp.average"); every rank must pass the same.
+
+    Returns:
+        The mean as a float, the same on every rank.
+    """
     t = tf.reshape(tf.cast(tf.convert_to_tensor(value), tf.float64), [])
     return float(hvd.allreduce(t, op=hvd.Average, name=name))
 
 
 def check_finite(loss, step: int) -> None:
-    """Raise NonFiniteLossError on every rank if the loss is NaN or inf on any rank (which is named)."""
+    """Raise NonFiniteLossError on every rank if the loss is NaN or inf on any rank (which is named).
+
+    Every rank must call it, at the same steps; eagerly, outside tf.function (it reads the loss's value).
+
+    Args:
+        loss: this rank's loss, a scalar tensor or a float.
+        step: the step number, shown in the message.
+
+    Raises:
+        NonFiniteLossError: the loss is NaN or infinite on at least one rank (raised on every rank).
+    """
     value = float(loss)
     flags = hvd.allgather(tf.constant([0.0 if np.isfinite(value) else 1.0], tf.float64), name="hvdp.finite")
     ranks = [int(r) for r in np.flatnonzero(flags.numpy())]
@@ -492,7 +646,17 @@ def check_finite(loss, step: int) -> None:
 def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True) -> dict[str, float]:
     """Sparse-categorical loss and accuracy of a classifier over `data` = (x, y), counting every sample
     exactly once on any world size: each rank scores a contiguous, unpadded slice, the sums are all-reduced.
-    Returns {"loss", "accuracy", "samples"}. Every rank must call it."""
+    Returns {"loss", "accuracy", "samples"}. Every rank must call it.
+
+    Args:
+        model: a classifier: model(x, training=False) returns (N, classes) logits or probabilities.
+        data: (x, y) arrays with integer labels y, the same on every rank.
+        batch_size: samples per forward pass on each rank (default 256).
+        from_logits: the model outputs logits (default True) or probabilities (False).
+
+    Returns:
+        {"loss": mean loss, "accuracy": fraction correct, "samples": len(x)}, the same on every rank.
+    """
     w = _ensure_init()
     x, y = (np.asarray(a) for a in data)
     start, stop = eval_bounds(len(x), w.rank, w.size)
@@ -508,14 +672,28 @@ def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True) ->
 
 
 def log(*args: Any, **kwargs: Any) -> None:
-    """print() on rank 0 only."""
+    """print() on rank 0 only (on every process before init()), flushed at once.
+
+    Args:
+        args: what to print, as for print().
+        kwargs: print()'s keywords (sep, end, file), except flush, which is always True.
+    """
     if not hvd.is_initialized() or hvd.rank() == 0:
         print(*args, **kwargs, flush=True)
 
 
 def check_consistency(model_or_variables) -> None:
     """Raise DivergenceError on every rank if any model variable differs across ranks, naming the first one
-    and the ranks that differ from rank 0. Compares exact bytes, so it catches the smallest drift."""
+    and the ranks that differ from rank 0. Compares exact bytes, so it catches the smallest drift.
+
+    Every rank must call it. One allgather of a sha256 digest per variable, no variable data.
+
+    Args:
+        model_or_variables: a Keras model (its weights), a tf.Module (its variables) or a list of variables.
+
+    Raises:
+        DivergenceError: a variable's shape or bytes differ from rank 0's on some rank (raised on every rank).
+    """
     variables = _weights(model_or_variables)
     digests = [consistency.digest(f"{i}:{_name(v)}", v.shape,
                                   np.ascontiguousarray(keras.ops.convert_to_numpy(v)).tobytes())
@@ -547,7 +725,23 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     variables, the optimizer's (its step counter included), every rank's own state (seed generators, which
     drive dropout, and pending accumulated gradients) and a JSON header: hvdp's metadata, the data position
     `epoch`/`step` (batches done in that epoch) and `extra` (JSON values). `global_step` names the file.
-    Returns the path on rank 0, None elsewhere.
+    Ends with a barrier: the other ranks wait for the write.
+
+    Args:
+        directory: where to write "ckpt-<global_step:08d>.npz"; created if missing.
+        model: a Keras model, tf.Module or list of variables.
+        optimizer: the Keras optimizer (built first if it is not yet), or None for the model only.
+        epoch: the epoch the data position is in.
+        step: batches already done in that epoch (0 at an epoch end).
+        global_step: the global optimizer step; names the file.
+        keep: how many of the newest checkpoints to keep, this one included (default 3).
+        extra: JSON values (numbers, strings, lists, dicts) returned by load_checkpoint.
+
+    Returns:
+        The path on rank 0, None elsewhere. An error writing the file is raised on rank 0 only.
+
+    Raises:
+        ConfigError: `extra` holds a value that is not JSON (before any collective).
     """
     try:
         json.dumps(extra)
@@ -614,8 +808,23 @@ def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimi
 
     Rank 0 reads the file (np.load with allow_pickle=False) and broadcasts it; a corrupt, truncated or
     foreign file raises CheckpointError naming it, on every rank, and is left as it is. With `dataset` (from
-    shard()), its next iteration resumes at the saved epoch and step. Returns
-    {"epoch", "step", "global_step", **extra}.
+    shard()), its next iteration resumes at the saved epoch and step. Every rank must call it. Each rank's
+    own dropout RNG and pending accumulated gradients are restored when the world size is the saved one.
+
+    Args:
+        directory: the checkpoint directory; None, a missing directory or one without checkpoints: nothing
+            to resume, returns None.
+        model: the Keras model, tf.Module or variables to restore (the same names and shapes).
+        optimizer: the Keras optimizer to restore (the same kind as saved), or None.
+        dataset: the dataset shard() returned, to resume its order (default None: left as it is).
+
+    Returns:
+        {"epoch", "step", "global_step", **extra} as saved, or None when there is no checkpoint.
+
+    Raises:
+        CheckpointError: the newest file is corrupt, truncated, incomplete, not hvdp's, of another framework,
+            model or optimizer; or, with `dataset`, taken mid-epoch with another number of ranks. On every rank.
+        ConfigError: `dataset` was not made by shard().
     """
     _ensure_init()
     _build_optimizer(optimizer, model)

@@ -10,6 +10,13 @@
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
     metrics = hvdp_torch.evaluate(model, test_set)   # every test sample counted exactly once
+
+Run the same script on every rank (horovodrun, mpirun, srun; plain python is a world of size 1). Functions
+marked "every rank must call it" run a collective: a rank that skips one, or calls them in another order,
+leaves the others waiting (hvdp's watchdog then ends the job). Errors are hvdp.core.errors classes
+(ConfigError, SetupError, CheckpointError, DivergenceError, NonFiniteLossError), raised on every rank where
+the check is collective. Importing this module imports torch and horovod.torch, and raises SetupError when
+Horovod is missing or was built without PyTorch.
 """
 
 from __future__ import annotations
@@ -49,9 +56,22 @@ _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 def init(*, timeline: str | None = None) -> World:
     """Initialise Horovod (horovodrun, mpirun, or plain python as size 1) and return this process's World.
 
-    `timeline`: write Horovod's timeline (Chrome trace of every collective) to this path.
-    Unless OMP_NUM_THREADS is set, each rank gets an equal share of the host's cores for torch's
-    intra-op threads (torch would otherwise start one thread per core in every rank).
+    Every rank must call it (Horovod's init and the watchdog's address exchange are collective); a second
+    call returns the World again. Before Horovod starts, hvdp's runtime defaults (hvdp.core.tuning) are set
+    where the environment lacks them, and for 2+ ranks the watchdog starts (unless HVDP_WATCHDOG=0 or
+    elastic mode). Unless OMP_NUM_THREADS is set, each rank gets an equal share of the host's cores for
+    torch's intra-op threads (torch would otherwise start one thread per core in every rank).
+
+    Args:
+        timeline: write Horovod's timeline (Chrome trace of every collective) to this path; default None:
+            no timeline.
+
+    Returns:
+        This process's World (rank, size, local_rank, local_size).
+
+    Raises:
+        SetupError: launched by mpirun or horovodrun's MPI mode, but Horovod was built without MPI.
+        ConfigError: a malformed HVDP_SHM_* or HVDP_WATCHDOG_TIMEOUT environment variable.
     """
     w = _horovod.init("torch", timeline)[1]
     if "OMP_NUM_THREADS" not in os.environ:
@@ -60,6 +80,7 @@ def init(*, timeline: str | None = None) -> World:
 
 
 def world() -> World:
+    """This process's World (rank, size, local_rank, local_size); call init() first (Horovod raises before)."""
     return World.from_horovod(hvd)
 
 
@@ -92,8 +113,31 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
       (not summed), so k passes of batch b equal one pass of batch k*b;
     - broadcasts parameters, buffers and optimizer state from rank 0, so all replicas start identical.
 
+    Every rank must call it, with the same model (it broadcasts, and first checks that every rank built the
+    same parameter names and shapes). Calls init() if Horovod is not initialised yet. Under elastic
+    horovodrun nothing is broadcast here: ElasticState.sync() does it with the ranks there are then.
+
     Gradient clipping: call `optimizer.synchronize()`, clip, then step inside
-    `with optimizer.skip_synchronize(): optimizer.step()` (see README).
+    `with optimizer.skip_synchronize(): optimizer.step()` (see docs/pytorch.md).
+
+    Args:
+        model: the module whose parameters `optimizer` updates; broadcast from rank 0.
+        optimizer: a torch optimizer over `model`'s parameters, with the base learning rate (the one tuned
+            for the per-rank batch on one process). Its param groups are scaled in place.
+        lr_scaling: "linear" (default: x size*k), "sqrt" (x sqrt(size*k)) or "none"; ignored with "adasum".
+        warmup_steps: optimizer steps over which the rate ramps from the base to the scaled one (default 0).
+        compression: "none" (default) or "fp16" (gradients sent as float16).
+        op: the gradient reduction: "average" (default), "sum", or "adasum" (needs the MPI controller).
+        backward_passes_per_step: k >= 1 (default 1): backward passes accumulated per optimizer step.
+        sync_batchnorm: replace the model's BatchNorm layers in place by SyncBatchNorm (default False).
+
+    Returns:
+        Horovod's DistributedOptimizer wrapping `optimizer`; call step() and zero_grad() on it.
+
+    Raises:
+        ConfigError: an unknown `op`, `compression` or `lr_scaling`; `backward_passes_per_step` not an
+            integer >= 1; `warmup_steps` < 0; op="adasum" in a multi-rank job on Gloo.
+        DivergenceError: the ranks built models of different parameter names or shapes (on every rank).
     """
     if op not in _OPS:
         raise ConfigError(f"op={op!r} is not one of {', '.join(_OPS)}")
@@ -159,7 +203,11 @@ def _post_step_hook(optimizer, args, kwargs):
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
-    """The learning rate the next step() will use (first param group), warmup included."""
+    """The learning rate the next step() will use (first param group), warmup included.
+
+    Args:
+        optimizer: the optimizer prepare() returned; for any other, its first group's "lr" as it is.
+    """
     s = getattr(optimizer, "hvdp_schedule", None)
     lr = optimizer.param_groups[0]["lr"]
     return lr if s is None else lr * warmup_factor(s.step, s.warmup_steps, s.multiplier)
@@ -171,6 +219,14 @@ def broadcast(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = 
     A fresh optimizer has no state on any rank, so only its hyperparameters are sent. (Horovod's
     broadcast_optimizer_state would first take a zero-gradient step to create state, which advances
     Adam's step count and applies weight decay once: the run would no longer match one process.)
+    prepare() already calls it (except under elastic horovodrun, where ElasticState.sync() does).
+
+    Every rank must call it, with the same model and optimizer structure.
+
+    Args:
+        model: the module whose state_dict (parameters and buffers) is overwritten with root_rank's.
+        optimizer: also copy its state and hyperparameters (default None: the model only).
+        root_rank: the rank whose values everyone gets (default 0).
     """
     hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
     if optimizer is None:
@@ -186,7 +242,9 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     """Batch normalisation whose training statistics are those of the global batch (all ranks together).
 
     Works on CPU and GPU (Horovod's own SyncBatchNorm is GPU-only). One all-reduce of (sum, sum of
-    squares, count) per call; gradients flow back through it. In eval mode it is plain BatchNorm.
+    squares, count) per call; gradients flow back through it. In eval mode, before init() and in a world
+    of size 1 it is plain BatchNorm. Takes torch's BatchNorm arguments (num_features, eps, momentum,
+    affine, track_running_stats); prepare(sync_batchnorm=True) converts a model's BatchNorm layers.
     """
 
     def _check_input_dim(self, x):
@@ -194,6 +252,14 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             raise ValueError(f"SyncBatchNorm expects (N, C, ...) input, got shape {tuple(x.shape)}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise `x` of shape (N, C, ...) over the global batch (training) or the running statistics.
+
+        In training mode with 2+ ranks every rank must call it, the same number of times in the same
+        order (one all-reduce each). Updates the running statistics from the global batch.
+
+        Raises:
+            ValueError: `x` has fewer than 2 dimensions.
+        """
         if not self.training or not hvd.is_initialized() or hvd.size() == 1:
             return super().forward(x)
         self._check_input_dim(x)
@@ -242,6 +308,12 @@ class ShardSampler(torch.utils.data.Sampler):
     Its position is (epoch, offset): the next iteration runs `epoch` from `offset` samples into the
     epoch order. Under an ElasticState it also counts the optimizer steps of the iteration in progress,
     so that a commit records exactly what was trained on and a resized world carries on from there.
+    shard() builds one; use it as a DataLoader's batch_sampler. len() is the number of batches left in
+    the next iteration.
+
+    Args:
+        plan: the hvdp.core.sharding.ShardPlan of this rank; replaced by one for the new rank and size when
+            an elastic reset changes them.
     """
 
     def __init__(self, plan: ShardPlan):
@@ -261,11 +333,21 @@ class ShardSampler(torch.utils.data.Sampler):
             yield batch.tolist()
 
     def set_position(self, epoch: int, step: int = 0) -> None:
-        """Make the next iteration run `epoch` from batch `step` (used when resuming a checkpoint)."""
+        """Make the next iteration run `epoch` from batch `step` (used when resuming a checkpoint).
+
+        Args:
+            epoch: the epoch to run next.
+            step: batches of that epoch already done, at the current world size (default 0).
+        """
         self.resume(int(epoch), self.plan.consumed(0, int(step)))
 
     def resume(self, epoch: int, offset: int) -> None:
-        """Make the next iteration run `epoch` from `offset` samples into its order."""
+        """Make the next iteration run `epoch` from `offset` samples into its order.
+
+        Args:
+            epoch: the epoch to run next.
+            offset: samples of its epoch order already trained on, by a world of any size.
+        """
         self.epoch, self.offset, self._running = epoch, offset, None
 
     def position(self) -> tuple[int, int]:
@@ -277,7 +359,10 @@ class ShardSampler(torch.utils.data.Sampler):
         return self.epoch, self.offset
 
     def record_steps(self, batches: int) -> None:
-        """`batches` batches of the iteration in progress were trained on."""
+        """Record that `batches` batches of the iteration in progress were trained on.
+
+        Called after each optimizer step under an ElasticState; a no-op between iterations.
+        """
         if self._running is not None:
             self._running[3] += batches
 
@@ -292,7 +377,24 @@ def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool =
     """A DataLoader over this rank's share of `dataset`; `batch_size` is per rank.
 
     The epoch order depends only on (seed, epoch); ranks get disjoint slices of each global batch, so
-    N ranks with batch b see at every step exactly what one process with batch N*b sees.
+    N ranks with batch b see at every step exactly what one process with batch N*b sees. Each iteration
+    over the loader is the next epoch (no set_epoch to forget); every rank gets the same number of batches.
+    Calls init() if Horovod is not initialised yet.
+
+    Args:
+        dataset: a map-style dataset (len() and indexing).
+        batch_size: samples per rank per batch, from 1 to len(dataset) // size.
+        shuffle: a new order every epoch (default True); False keeps the dataset's order.
+        seed: the seed of the epoch order (default 0); the same on every rank.
+        drop_last: drop the last, partial global batch of each epoch (default False: split it evenly).
+        loader_kwargs: passed to torch.utils.data.DataLoader (num_workers, collate_fn, pin_memory...), but
+            not batch_size, shuffle or sampler; `generator` defaults to one seeded with seed + rank.
+
+    Returns:
+        A DataLoader whose batch_sampler is a ShardSampler.
+
+    Raises:
+        ConfigError: batch_size < 1, fewer samples than ranks, or batch_size larger than each rank's share.
     """
     w = world() if hvd.is_initialized() else init()
     plan = ShardPlan(n=len(dataset), batch_size=batch_size, rank=w.rank, size=w.size, seed=seed,
@@ -306,7 +408,15 @@ def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool =
 # ------------------------------------------------------------------------------------------ collectives
 
 def average(value: float | torch.Tensor, name: str | None = None) -> float:
-    """The mean of a scalar over all ranks (for metrics and logging)."""
+    """The mean of a scalar over all ranks (for metrics and logging). Every rank must call it.
+
+    Args:
+        value: a number or a one-element tensor (detached; computed in float64).
+        name: the all-reduce's name in Horovod (default None: Horovod's own); every rank must pass the same.
+
+    Returns:
+        The mean as a float, the same on every rank.
+    """
     t = torch.as_tensor(value, dtype=torch.float64).detach().reshape(())
     return float(hvd.allreduce(t, op=hvd.Average, name=name))
 
@@ -314,7 +424,15 @@ def average(value: float | torch.Tensor, name: str | None = None) -> float:
 def check_finite(loss: torch.Tensor | float, step: int) -> None:
     """Raise NonFiniteLossError on every rank if the loss is NaN or inf on any rank (which is named).
 
-    One 1-element allgather: call it every step, or every few steps where that cost shows.
+    Every rank must call it, at the same steps. One 1-element allgather: call it every step, or every few
+    steps where that cost shows.
+
+    Args:
+        loss: this rank's loss, a tensor (one element) or a float.
+        step: the step number, shown in the message.
+
+    Raises:
+        NonFiniteLossError: the loss is NaN or infinite on at least one rank (raised on every rank).
     """
     value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
     bad = torch.tensor([0.0 if math.isfinite(value) else 1.0])
@@ -331,8 +449,20 @@ def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch
              loss_fn=torch.nn.functional.cross_entropy) -> dict[str, float]:
     """Loss and accuracy of a classifier over `dataset`, counting every sample exactly once on any world size.
 
-    Each rank scores a contiguous, unpadded slice; the sums are all-reduced. Returns
-    {"loss", "accuracy", "samples"}.
+    Each rank scores a contiguous, unpadded slice; the sums are all-reduced. Every rank must call it, with
+    the same dataset. Runs under torch.no_grad() with the model in eval mode, then restores its mode.
+
+    Args:
+        model: a classifier: model(x) returns logits of shape (N, classes); accuracy uses argmax(1).
+        dataset: a map-style dataset of (x, y) pairs, the same on every rank.
+        batch_size: samples per forward pass on each rank (default 256).
+        loss_fn: called as loss_fn(logits, y, reduction="sum") (default torch's cross_entropy).
+
+    Returns:
+        {"loss": mean loss, "accuracy": fraction correct, "samples": len(dataset)}, the same on every rank.
+
+    Raises:
+        ConfigError: `dataset` is empty (on every rank).
     """
     w = world()
     start, stop = eval_bounds(len(dataset), w.rank, w.size)
@@ -353,20 +483,39 @@ def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch
 
 
 def log(*args: Any, **kwargs: Any) -> None:
-    """print() on rank 0 only."""
+    """print() on rank 0 only (on every process before init()), flushed at once.
+
+    Args:
+        args: what to print, as for print().
+        kwargs: print()'s keywords (sep, end, file), except flush, which is always True.
+    """
     if not hvd.is_initialized() or hvd.rank() == 0:
         print(*args, **kwargs, flush=True)
 
 
 def progress(iterable: Iterable, **tqdm_kwargs: Any) -> Iterable:
-    """A tqdm progress bar on rank 0; the bare iterable elsewhere."""
+    """A tqdm progress bar over `iterable` on rank 0, a disabled (silent) one elsewhere. Needs init() and tqdm.
+
+    Args:
+        iterable: what to iterate over.
+        tqdm_kwargs: passed to tqdm.auto.tqdm (desc, total, ...), except disable.
+    """
     from tqdm.auto import tqdm
     return tqdm(iterable, disable=hvd.rank() != 0, **tqdm_kwargs)
 
 
 def check_consistency(model: torch.nn.Module) -> None:
     """Raise DivergenceError on every rank if any parameter or buffer differs across ranks, naming the first
-    one and the ranks that differ from rank 0. Compares exact bytes, so it catches the smallest drift."""
+    one and the ranks that differ from rank 0. Compares exact bytes, so it catches the smallest drift.
+
+    Every rank must call it. One allgather of a sha256 digest per tensor, no tensor data.
+
+    Args:
+        model: the module whose state_dict (parameters and buffers) is compared.
+
+    Raises:
+        DivergenceError: a tensor's shape or bytes differ from rank 0's on some rank (raised on every rank).
+    """
     digests = [consistency.digest(name, t.shape, _raw_bytes(t)) for name, t in model.state_dict().items()]
     problem = consistency.divergence(
         hvd.allgather_object(digests, name="hvdp.consistency"),
@@ -409,6 +558,15 @@ class ElasticState(ObjectState):
     are then split the rest of the epoch, and no sample is skipped or seen twice. sync() (run by
     elastic_run after every reset) broadcasts everything from rank 0 and rescales the learning rate to the
     new world size by the rule given to prepare().
+
+    Args:
+        model: the module being trained.
+        optimizer: the optimizer prepare() returned.
+        loader: the DataLoader shard() returned.
+        extra: further values to keep and sync, read and set as attributes (state.best); not `epoch`.
+
+    Raises:
+        ConfigError: `optimizer` is not from prepare(), `loader` not from shard(), or `extra` has `epoch`.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -440,10 +598,12 @@ class ElasticState(ObjectState):
                 "schedule": (s.step, s.multiplier), "position": self.sampler.position()}
 
     def save(self) -> None:
+        """Snapshot model, optimizer, schedule and data position in memory (state.commit() calls it)."""
         self._snapshot = self._take()
         super().save()
 
     def restore(self) -> None:
+        """Roll model, optimizer, schedule and data position back to the last save(); Horovod calls it."""
         snap = self._snapshot
         self.model.load_state_dict(snap["model"])
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
@@ -454,10 +614,16 @@ class ElasticState(ObjectState):
         super().restore()
 
     def reset(self) -> None:
+        """Make the loader's next iteration start where training is (Horovod calls it after a reset)."""
         # After a reset the next iteration starts where training is, not at the next epoch.
         self.sampler.resume(*self.sampler.position())
 
     def sync(self) -> None:
+        """Broadcast model, optimizer state, schedule and data position from rank 0; rescale the LR.
+
+        The learning rate is rescaled for the new world size by prepare()'s rule. elastic_run calls it
+        after every reset; every rank must call it.
+        """
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         # The whole optimizer state as one object: a worker that just joined has none yet, and Horovod's
         # broadcast_optimizer_state would make it take a zero-gradient step to create it.
@@ -477,7 +643,16 @@ class ElasticState(ObjectState):
 
 def elastic_run(train: Callable) -> Callable:
     """Horovod's elastic loop around `train(state, ...)`: on a lost worker, roll back to the last commit,
-    re-form the world with the survivors (and any host that was added), sync from rank 0, and call again."""
+    re-form the world with the survivors (and any host that was added), sync from rank 0, and call again.
+
+    Use it as a decorator; every rank must call the decorated function, with an ElasticState first.
+
+    Args:
+        train: the training function, train(state, ...); it returns when training is done.
+
+    Returns:
+        The wrapped function (Horovod's hvd.elastic.run).
+    """
     return hvd.elastic.run(train)
 
 
@@ -505,8 +680,21 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
     """Write a checkpoint on rank 0 (atomically) and keep the newest `keep`; every rank must call it.
 
     `epoch` and `step` (batches done in that epoch) say where to resume the data order; `global_step`
-    names the file. `extra` holds plain values (numbers, strings, lists, dicts, tensors).
-    Returns the path on rank 0, None elsewhere.
+    names the file. Also stored: the optimizer's step count and every rank's RNG states (torch, numpy,
+    random), so a resumed run continues exactly. Ends with a barrier: the other ranks wait for the write.
+
+    Args:
+        directory: where to write "ckpt-<global_step:08d>.pt"; created if missing.
+        model: the module whose state_dict is saved.
+        optimizer: the optimizer (prepare()'s, for its step count) whose state_dict is saved.
+        epoch: the epoch the data position is in.
+        step: batches already done in that epoch (0 at an epoch end).
+        global_step: the global optimizer step; names the file.
+        keep: how many of the newest checkpoints to keep, this one included (default 3).
+        extra: plain values (numbers, strings, lists, dicts, tensors) returned by load_checkpoint.
+
+    Returns:
+        The path on rank 0, None elsewhere. An error writing the file is raised on rank 0 only.
     """
     rng = hvd.allgather_object(_rng_state(), name="hvdp.rng")  # every rank's RNG, so a resumed run continues exactly
     if hvd.rank() != 0:
@@ -538,7 +726,22 @@ def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimi
 
     Rank 0 reads the file with torch.load(weights_only=True) and broadcasts it; a corrupt, truncated or
     foreign file raises CheckpointError naming it, on every rank. With `loader`, its data order resumes at
-    the saved epoch and step. Returns {"epoch", "step", "global_step", **extra}.
+    the saved epoch and step. Every rank must call it. The RNG states are restored when the world size is
+    the one that saved the checkpoint.
+
+    Args:
+        directory: the checkpoint directory; None, a missing directory or one without checkpoints: nothing
+            to resume, returns None.
+        model: the module to load the saved state_dict into (the same parameter names and shapes).
+        optimizer: the optimizer to load the saved state into (prepare()'s: its step count is restored too).
+        loader: the DataLoader shard() returned, to resume its data order (default None: left as it is).
+
+    Returns:
+        {"epoch", "step", "global_step", **extra} as saved, or None when there is no checkpoint.
+
+    Raises:
+        CheckpointError: the newest file is corrupt, truncated, not hvdp's, from another framework or model;
+            or, with `loader`, it was taken mid-epoch with another number of ranks. On every rank.
     """
     payload = _horovod.read_checkpoint_on_root(hvd, directory, lambda path: _read(path, model))
     if payload is None:

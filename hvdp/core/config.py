@@ -1,4 +1,10 @@
-"""The training knobs every adapter and example shares, validated once, with their help text in one place."""
+"""The training knobs every adapter and example shares, validated once, with their help text in one place.
+
+TrainConfig is a keyword-only dataclass: each field carries its help text in its metadata, and
+TrainConfig.add_arguments turns the fields into command-line flags (--batch-size, --lr-scaling, ...), so the
+examples and the `hvdp` tools share one definition. COMPRESSIONS and OPS are the allowed gradient
+compressions and reductions.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +25,16 @@ def _opt(help: str, *, flag: str | None = None, choices: tuple[str, ...] | None 
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    """Common training configuration. Batch size is per rank; the learning rate is the base rate for it."""
+    """Common training configuration. Batch size is per rank; the learning rate is the base rate for it.
+
+    Keyword arguments only, one per field; each field's meaning and default are its --flag's help text
+    (see add_arguments, or any example's --help). Validated on construction.
+
+    Raises:
+        ConfigError: epochs, batch_size, accumulate or keep_checkpoints is not an integer >= 1; lr is not
+            > 0; warmup_epochs is < 0; lr_scaling is not one of LR_RULES or compression not one of
+            COMPRESSIONS.
+    """
 
     epochs: int = field(default=10, metadata=_opt("passes over the training data"))
     batch_size: int = field(default=32, metadata=_opt("samples per rank per backward pass"))
@@ -66,7 +81,15 @@ class TrainConfig:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, **defaults: Any) -> argparse.ArgumentParser:
-        """Add one --flag per field to `parser`; `defaults` overrides field defaults (e.g. epochs=20)."""
+        """Add one --flag per field to `parser` (e.g. `batch_size` becomes --batch-size) and return it.
+
+        Args:
+            parser: the argparse parser to add the flags to.
+            defaults: field name = value pairs that override the fields' defaults (e.g. epochs=20).
+
+        Returns:
+            `parser`, for chaining. Values are validated later, by from_args.
+        """
         for f in fields(cls):
             default = defaults.get(f.name, f.default if f.default is not MISSING else None)
             flag = "--" + f.name.replace("_", "-")
@@ -81,5 +104,15 @@ class TrainConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
-        """Build (and so validate) a config from parsed arguments; unrelated attributes are ignored."""
+        """Build (and so validate) a config from parsed arguments; unrelated attributes are ignored.
+
+        Args:
+            args: the namespace parser.parse_args() returned (after add_arguments).
+
+        Raises:
+            ConfigError: a value is invalid (see the class).
+        """
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+__all__ = ["COMPRESSIONS", "OPS", "TrainConfig"]

@@ -21,7 +21,21 @@ LR_RULES = ("linear", "sqrt", "none")
 
 
 def lr_multiplier(rule: str, size: int, *, backward_passes_per_step: int = 1, op: str = "average") -> float:
-    """How much the base learning rate grows for `size` ranks each accumulating `backward_passes_per_step`."""
+    """How much the base learning rate grows for `size` ranks each accumulating `backward_passes_per_step`.
+
+    Args:
+        rule: "linear" (x size*k), "sqrt" (x sqrt(size*k)) or "none" (x 1); see LR_RULES.
+        size: the number of ranks, >= 1.
+        backward_passes_per_step: k, the backward passes accumulated per optimizer step, >= 1 (default 1).
+        op: the gradient reduction; "adasum" needs no rescaling, so its multiplier is 1 whatever the rule.
+            Any other value (default "average") applies the rule.
+
+    Returns:
+        The multiplier, a float >= 1.
+
+    Raises:
+        ConfigError: `rule` is not one of LR_RULES, or `size` or `backward_passes_per_step` is < 1.
+    """
     if rule not in LR_RULES:
         raise ConfigError(f"unknown lr_scaling={rule!r}; choose one of {', '.join(LR_RULES)}")
     if size < 1 or backward_passes_per_step < 1:
@@ -36,7 +50,19 @@ def lr_multiplier(rule: str, size: int, *, backward_passes_per_step: int = 1, op
 def warmup_factor(step: int, warmup_steps: int, multiplier: float) -> float:
     """The fraction of the scaled rate to use at optimizer step `step` (0-based).
 
-    Starts at 1/multiplier (the base rate) and reaches 1 at `warmup_steps`; 1 throughout without warmup.
+    Starts at 1/multiplier (the base rate) and grows linearly to 1 at `warmup_steps`; 1 from then on, and
+    throughout without warmup.
+
+    Args:
+        step: the optimizer step, >= 0 (optimizer steps, not backward passes).
+        warmup_steps: the length of the ramp in optimizer steps, >= 0; 0 means no warmup.
+        multiplier: the scaled rate's multiplier (lr_multiplier's result); 1.0 means nothing to ramp.
+
+    Returns:
+        A float in [1/multiplier, 1].
+
+    Raises:
+        ConfigError: `step` or `warmup_steps` is negative.
     """
     if warmup_steps < 0 or step < 0:
         raise ConfigError(f"step ({step}) and warmup_steps ({warmup_steps}) must be >= 0")
@@ -47,5 +73,18 @@ def warmup_factor(step: int, warmup_steps: int, multiplier: float) -> float:
 
 
 def scaled_lr(base_lr: float, step: int, *, multiplier: float, warmup_steps: int = 0) -> float:
-    """The learning rate at optimizer step `step`: base * multiplier * warmup_factor."""
+    """The learning rate at optimizer step `step`: base_lr * multiplier * warmup_factor(...).
+
+    Args:
+        base_lr: the rate tuned for the per-rank batch on one process.
+        step: the optimizer step, >= 0.
+        multiplier: lr_multiplier's result.
+        warmup_steps: the warmup length in optimizer steps (default 0: no warmup).
+
+    Raises:
+        ConfigError: from warmup_factor, for a negative `step` or `warmup_steps`.
+    """
     return base_lr * multiplier * warmup_factor(step, warmup_steps, multiplier)
+
+
+__all__ = ["LR_RULES", "lr_multiplier", "warmup_factor", "scaled_lr"]

@@ -20,7 +20,17 @@ from hvdp.core.errors import ConfigError
 
 
 def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-    """The global order of the n sample indices for `epoch`: a function of (seed, epoch) alone."""
+    """The global order of the n sample indices for `epoch`: a function of (seed, epoch) alone.
+
+    Args:
+        n: the number of samples.
+        seed: the run's seed; together with `epoch` it seeds a private generator (never the global RNG).
+        epoch: the epoch, 0-based.
+        shuffle: False gives 0..n-1 in order, every epoch (default True: a permutation).
+
+    Returns:
+        An int64 array holding each index 0..n-1 once. The same on every rank and every world size.
+    """
     if not shuffle:
         return np.arange(n, dtype=np.int64)
     return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int64)
@@ -35,7 +45,23 @@ def _split(count: int, parts: int, part: int) -> tuple[int, int]:
 
 @dataclass(frozen=True, slots=True)
 class ShardPlan:
-    """The training batches of one rank. `batch_size` is per rank; all ranks get the same number of steps."""
+    """The training batches of one rank. `batch_size` is per rank; all ranks get the same number of steps.
+
+    Attributes (also the constructor's arguments):
+        n: the number of training samples; at least `size`.
+        batch_size: samples per rank per step, >= 1 and at most n // size.
+        rank: this rank, 0 <= rank < size (default 0).
+        size: the number of ranks (default 1).
+        seed: the seed of the epoch order (default 0).
+        shuffle: shuffle the order every epoch (default True); False keeps 0..n-1.
+        drop_last: drop the last, partial global batch of an epoch (default False: split it as evenly as
+            possible among the ranks, topped up from the start of the epoch if it has fewer samples
+            than ranks, so no rank gets an empty batch).
+
+    Raises:
+        ConfigError: batch_size < 1, rank outside [0, size), fewer samples than ranks, or batch_size larger
+            than each rank's share of the data (the message says which batch size fits).
+    """
 
     n: int
     batch_size: int
@@ -62,26 +88,50 @@ class ShardPlan:
 
     @property
     def global_batch(self) -> int:
+        """Samples per step over all ranks: batch_size * size."""
         return self.batch_size * self.size
 
     @property
     def steps_per_epoch(self) -> int:
+        """Steps in a whole epoch (the same on every rank): ceil(n / global_batch), or floor with drop_last."""
         return self.steps_for(self.n)
 
     def steps_for(self, count: int) -> int:
-        """How many steps `count` samples of the epoch order take, global batch by global batch."""
+        """How many steps `count` samples of the epoch order take, global batch by global batch.
+
+        A partial last global batch counts as a step unless drop_last is set.
+        """
         full, rest = divmod(count, self.global_batch)
         return full + (1 if rest and not self.drop_last else 0)
 
     def consumed(self, offset: int, steps: int) -> int:
-        """How far into the epoch order training is after `steps` steps taken from `offset`."""
+        """How far into the epoch order training is after `steps` steps taken from `offset`.
+
+        Args:
+            offset: samples of the epoch order already trained on when those steps began.
+            steps: steps taken since; each consumes one global batch.
+
+        Returns:
+            The new offset, at most n.
+        """
         return min(self.n, offset + steps * self.global_batch)
 
     def batch(self, epoch: int, step: int, order: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
         """The sample indices this rank uses at `step` of `epoch`, counting steps from `offset`.
 
-        `offset` is how many samples of the epoch order were already trained on, by a world of any size:
-        after an elastic resize, the rest of the epoch is split among the ranks there are now.
+        Args:
+            epoch: the epoch, 0-based; with `seed` it fixes the order.
+            step: the step, counted from `offset`: 0 <= step < steps_for(n - offset).
+            order: epoch_order(n, seed=seed, epoch=epoch, shuffle=shuffle), when the caller already has it
+                (default None: computed here).
+            offset: how many samples of the epoch order were already trained on, by a world of any size:
+                after an elastic resize, the rest of the epoch is split among the ranks there are now.
+
+        Returns:
+            The int64 sample indices, batch_size of them except in a partial last global batch.
+
+        Raises:
+            IndexError: `offset` is outside [0, n] or `step` outside the steps left in the epoch.
         """
         if order is None:
             order = epoch_order(self.n, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
@@ -102,7 +152,16 @@ class ShardPlan:
         return chunk[start:stop]
 
     def batches(self, epoch: int, start_step: int = 0, offset: int = 0):
-        """Yield this rank's batches of `epoch` from `offset` samples in, skipping `start_step` steps."""
+        """Yield this rank's batches of `epoch` from `offset` samples in, skipping `start_step` steps.
+
+        Args:
+            epoch: the epoch, 0-based.
+            start_step: the first step to yield, counted from `offset` (default 0).
+            offset: samples of the epoch order already trained on (default 0: the epoch's start).
+
+        Yields:
+            The sample indices of each step, as batch() returns them.
+        """
         order = epoch_order(self.n, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
         for step in range(start_step, self.steps_for(self.n - offset)):
             yield self.batch(epoch, step, order, offset)
@@ -114,7 +173,18 @@ def eval_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
     Slices differ in length by at most one, cover all n samples and never overlap, so metric sums
     (correct, loss*count, count) all-reduced with op=sum count every sample exactly once. A rank may get
     an empty slice when n < size; the sums stay exact.
+
+    Args:
+        n: the number of evaluation samples.
+        rank: the rank, 0 <= rank < size.
+        size: the number of ranks.
+
+    Raises:
+        ConfigError: `rank` is outside [0, size).
     """
     if not 0 <= rank < size:
         raise ConfigError(f"rank {rank} is outside a world of size {size}")
     return _split(n, size, rank)
+
+
+__all__ = ["epoch_order", "ShardPlan", "eval_bounds"]

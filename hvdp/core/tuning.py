@@ -31,7 +31,16 @@ RUNTIME_DEFAULTS: dict[str, str] = {
 
 
 def apply_runtime_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Set each default that `environ` (os.environ) lacks; return the ones that were set."""
+    """Set each of RUNTIME_DEFAULTS that `environ` lacks; a variable already set is never changed.
+
+    init() calls it before Horovod and MPI read their environment; calling it later has no effect on them.
+
+    Args:
+        environ: the mapping to update; default None means os.environ.
+
+    Returns:
+        The {name: value} pairs that were set (empty when the user had set them all).
+    """
     env = os.environ if environ is None else environ
     applied = {k: v for k, v in RUNTIME_DEFAULTS.items() if k not in env}
     env.update(applied)
@@ -41,7 +50,15 @@ def apply_runtime_defaults(environ: MutableMapping[str, str] | None = None) -> d
 def check_shm_settings(environ: Mapping[str, str] | None = None) -> None:
     """Refuse a malformed setting of the shared-memory allreduce before Horovod reads it.
 
-    (Horovod's C++ op, reached without hvdp, warns and uses its default for such a value.)
+    Checks HVDP_SHM_ALLREDUCE ("0" or "1"), HVDP_SHM_CHUNK_BYTES (a whole number from 1 to 2**40) and
+    HVDP_SHM_TIMEOUT_SECONDS (a number from 0.001 to 1e9); unset variables are fine. (Horovod's C++ op,
+    reached without hvdp, warns and uses its default for such a value.)
+
+    Args:
+        environ: the variables to check; default None means os.environ.
+
+    Raises:
+        ConfigError: one of them is set to a malformed value (the message quotes it and the allowed range).
     """
     env = os.environ if environ is None else environ
     flag = env.get("HVDP_SHM_ALLREDUCE")
@@ -61,3 +78,6 @@ def check_shm_settings(environ: Mapping[str, str] | None = None) -> None:
         if not (math.isfinite(seconds) and 0.001 <= seconds <= 1e9):
             raise ConfigError(f"HVDP_SHM_TIMEOUT_SECONDS must be a number of seconds from 0.001 to 1e9, got "
                               f"{timeout!r}; unset it for the default (60)")
+
+
+__all__ = ["RUNTIME_DEFAULTS", "apply_runtime_defaults", "check_shm_settings"]

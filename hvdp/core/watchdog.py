@@ -1,6 +1,6 @@
 """hvdp's watchdog: turns a hung or vanished rank into a clear error on every surviving rank, instead of a
-job that waits forever inside a collective (Horovod's stall inspector never fires under MPI: its
-coordinator is itself blocked in MPI).
+job that waits forever inside a collective (under MPI, Horovod's stall inspector never reports a stopped
+rank: its coordinator is itself blocked in MPI).
 
 Each rank runs one daemon thread that sends a small UDP heartbeat (rank, step, phase) to every peer once
 per `interval` seconds and listens for theirs. The thread does not need the GIL for long nor any
@@ -9,7 +9,10 @@ silent for `timeout` seconds (stopped, frozen, host gone), or this rank has wait
 `timeout` seconds while a live peer is elsewhere, the watchdog prints which rank, at which step and in
 which phase, and ends this process with exit code 70 so that the launcher tears the job down.
 
-Framework-free (stdlib only); the adapters report progress with `progress(step, phase)`.
+Framework-free (stdlib only); init() starts it for jobs of 2+ ranks (not in elastic mode, not with
+HVDP_WATCHDOG=0). The PyTorch adapter reports progress around each optimizer step with
+`progress(step, phase)`; the TensorFlow and Keras adapters report none, so there only silent peers are
+caught.
 """
 
 from __future__ import annotations
@@ -39,7 +42,16 @@ class PeerState:
 
 
 def settings(environ=None) -> tuple[bool, float]:
-    """(enabled, timeout seconds) from HVDP_WATCHDOG (0 disables) and HVDP_WATCHDOG_TIMEOUT."""
+    """(enabled, timeout seconds) from HVDP_WATCHDOG and HVDP_WATCHDOG_TIMEOUT.
+
+    Args:
+        environ: the variables to read; default None means os.environ. HVDP_WATCHDOG "0", "false" or "off"
+            disables the watchdog (anything else, or unset, enables it); HVDP_WATCHDOG_TIMEOUT is in
+            seconds (default DEFAULT_TIMEOUT, 60).
+
+    Raises:
+        ConfigError: HVDP_WATCHDOG_TIMEOUT is not a number, or is <= 0.
+    """
     env = os.environ if environ is None else environ
     enabled = env.get("HVDP_WATCHDOG", "1") not in ("0", "false", "off")
     try:
@@ -52,13 +64,31 @@ def settings(environ=None) -> tuple[bool, float]:
 
 
 def open_socket(bind: str = "0.0.0.0") -> socket.socket:
+    """A UDP socket bound to address `bind` (default all interfaces) on a free port, for a Watchdog.
+
+    Raises:
+        OSError: `bind` is not an address of this host.
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind((bind, 0))
     return sock
 
 
 class Watchdog:
-    """One rank's heartbeat thread. `peers[r]` lists the (address, port) pairs to reach rank r."""
+    """One rank's heartbeat thread; created stopped, start() starts it.
+
+    Args:
+        rank: this rank.
+        peers: `peers[r]` lists the (address, port) pairs to reach rank r; len(peers) is the world size,
+            and this rank's own entry is not used.
+        sock: the bound UDP socket (open_socket) whose port the peers were given; the watchdog closes it
+            in stop().
+        timeout: seconds of silence from a peer, or of this rank waiting in a collective while a live peer
+            is elsewhere, before the job is ended (default DEFAULT_TIMEOUT, 60).
+        interval: seconds between heartbeats (default: 1, or timeout / 5 when that is shorter).
+        on_hang: called once with the message when diagnose() finds a problem; the default prints it to
+            stderr and ends the process with EXIT_CODE (70). The thread stops after calling it.
+    """
 
     def __init__(self, rank: int, peers: list[list[tuple[str, int]]], sock: socket.socket, *,
                  timeout: float = DEFAULT_TIMEOUT, interval: float | None = None,
@@ -73,6 +103,7 @@ class Watchdog:
         self.sock.settimeout(self.interval)
 
     def start(self) -> "Watchdog":
+        """Start the daemon thread (once) and return this watchdog."""
         self._thread.start()
         return self
 
@@ -87,7 +118,12 @@ class Watchdog:
         self.sock.close()
 
     def progress(self, step: int, phase: str) -> None:
-        """Called by the training loop's hooks: where this rank is now."""
+        """Called by the training loop's hooks: where this rank is now; sent with the next heartbeat.
+
+        Args:
+            step: the optimizer step this rank is at.
+            phase: what it is doing, for the messages; WAITING marks a wait in the gradient all-reduce.
+        """
         self.step, self.phase, self.since = step, phase, time.monotonic()
 
     def _run(self) -> None:
@@ -123,7 +159,15 @@ class Watchdog:
                         pass
 
     def diagnose(self, now: float) -> str | None:
-        """The message to die with, or None while the job is healthy."""
+        """The message to die with, or None while the job is healthy. A pure function of the state.
+
+        Args:
+            now: the current time.monotonic().
+
+        Returns:
+            A message naming the silent peers, or (when this rank has been WAITING longer than the timeout)
+            the live peers at another step or phase; None otherwise.
+        """
         silent = sorted(r for r, p in self.state.items() if now - p.heard > self.timeout)
         me = f"rank {self.rank} is at step {self.step}, {self.phase} for {now - self.since:.0f} s"
         if silent:
@@ -146,3 +190,6 @@ class Watchdog:
 def _abort(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     os._exit(EXIT_CODE)
+
+
+__all__ = ["EXIT_CODE", "DEFAULT_TIMEOUT", "WAITING", "EXITED", "settings", "open_socket", "Watchdog"]

@@ -1,4 +1,10 @@
-"""Who am I in the job: rank, size and the launcher that started us."""
+"""Who am I in the job: rank, size and the launcher that started us, as plain values.
+
+World is this process's (rank, size, local_rank, local_size), read from an initialised Horovod or, without
+initialising anything, from the launcher's environment variables (horovodrun, mpirun, Slurm; plain `python`
+is a world of size 1). detect_launcher and elastic name how the job was started; gloo_hostname_problem and
+threads_per_rank are the checks and sizes init() derives from them. Pure functions of their arguments.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +26,17 @@ _LAUNCHER_VARS = (
 
 @dataclass(frozen=True, slots=True)
 class World:
-    """This process's place in the job. Size 1 when launched as plain `python`."""
+    """This process's place in the job. Size 1 when launched as plain `python`.
+
+    Attributes (also the constructor's arguments):
+        rank: this process's index in the job, 0 <= rank < size (default 0).
+        size: the number of processes in the job, >= 1 (default 1).
+        local_rank: its index among the processes on this host, 0 <= local_rank < local_size (default 0).
+        local_size: the number of processes on this host, >= 1 (default 1).
+
+    Raises:
+        ConfigError: the values are inconsistent (e.g. rank >= size).
+    """
 
     rank: int = 0
     size: int = 1
@@ -41,12 +57,29 @@ class World:
 
     @classmethod
     def from_horovod(cls, hvd: Any) -> "World":
-        """Read the world from an initialised Horovod module (horovod.torch or horovod.tensorflow)."""
+        """Read the world from an initialised Horovod module.
+
+        Args:
+            hvd: horovod.torch or horovod.tensorflow, after hvd.init().
+        """
         return cls(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "World":
-        """The world as the launcher's environment variables describe it, without initialising anything."""
+        """The world as the launcher's environment variables describe it, without initialising anything.
+
+        Args:
+            environ: the variables to read; default None means os.environ. The first launcher (in the order
+                horovodrun's Gloo, OpenMPI, MPICH/PMI, Slurm) whose rank and size variables are both set wins;
+                a missing or non-numeric local rank/size falls back to 0 and 1.
+
+        Returns:
+            That World, or World() (size 1) when no launcher's variables are set.
+
+        Raises:
+            ValueError: the launcher's rank or size variable is not an integer.
+            ConfigError: the values are inconsistent (see World).
+        """
         env = os.environ if environ is None else environ
         for _, rank, size, local_rank, local_size in _LAUNCHER_VARS:
             if rank in env and size in env:
@@ -66,7 +99,15 @@ _HOROVODRUN_MPI_MARKS = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "^openib", "OMPI
 
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
-    """Name the launcher that started this process, from its environment variables."""
+    """Name the launcher that started this process, from its environment variables.
+
+    Args:
+        environ: the variables to read; default None means os.environ.
+
+    Returns:
+        One of "horovodrun (gloo)", "horovodrun (mpi)", "mpirun (OpenMPI)", "mpirun (MPICH/PMI)",
+        "slurm (srun)" or "python (single process)".
+    """
     env = os.environ if environ is None else environ
     for name, rank, size, *_ in _LAUNCHER_VARS:
         if rank in env and size in env:
@@ -77,7 +118,11 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
 
 
 def elastic(environ: Mapping[str, str] | None = None) -> bool:
-    """True when horovodrun started this process in elastic mode (--min-np/--max-np/--host-discovery-script)."""
+    """True when horovodrun started this process in elastic mode (--min-np/--max-np/--host-discovery-script).
+
+    Args:
+        environ: the variables to read (HOROVOD_ELASTIC="1"); default None means os.environ.
+    """
     return (os.environ if environ is None else environ).get("HOROVOD_ELASTIC") == "1"
 
 
@@ -89,7 +134,15 @@ def gloo_hostname_problem(env: Mapping[str, str], hostname: str, address: str | 
     uses, where Horovod forgets the interface (GlooContext::InitializeForProcessSet never copies it) and
     Gloo falls back to the address this machine's hostname resolves to. If that is a loopback address (as
     with Debian's `127.0.1.1 <hostname>` in /etc/hosts) or nothing, other hosts cannot reach this rank.
-    `address` is what `hostname` resolves to here (None: it does not resolve).
+
+    Args:
+        env: this rank's environment (os.environ): Gloo rendezvous, HOROVOD_CROSS_SIZE, HOROVOD_GLOO_IFACE.
+        hostname: this machine's host name.
+        address: what `hostname` resolves to here (None: it does not resolve).
+
+    Returns:
+        The message with the fix, or None when the job is not on Gloo, runs on one host, or the address is
+        usable.
     """
     if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in env or int(env.get("HOROVOD_CROSS_SIZE", "1") or 1) < 2:
         return None  # not Gloo, or all ranks on one host: loopback is fine
@@ -106,5 +159,16 @@ def gloo_hostname_problem(env: Mapping[str, str], hostname: str, address: str | 
 
 
 def threads_per_rank(cpu_count: int, local_size: int) -> int:
-    """Intra-op threads for each rank so that the ranks on one host do not oversubscribe its cores."""
+    """Intra-op threads for each rank so that the ranks on one host do not oversubscribe its cores.
+
+    Args:
+        cpu_count: the host's cores (os.cpu_count()).
+        local_size: the ranks on this host (a value < 1 counts as 1).
+
+    Returns:
+        cpu_count // local_size, at least 1.
+    """
     return max(1, cpu_count // max(1, local_size))
+
+
+__all__ = ["World", "detect_launcher", "elastic", "gloo_hostname_problem", "threads_per_rank"]
