@@ -8,6 +8,9 @@ The base learning rate is the one tuned for batch b on one process; the rule mul
     none    lr = base
 
 Adasum combines gradients so that no rescaling is needed: its multiplier is 1 whatever the rule.
+op="sum" all-reduces the sum of the N ranks' gradients, already N times their average, so the rule's
+factor is divided by N: linear gives k (not N*k, which would be N^2 times the intended step), sqrt gives
+sqrt(N*k)/N. lr_scaling="none" leaves the rate as given whatever the op.
 Warmup ramps linearly from the base rate to the scaled one over `warmup_steps` optimizer steps.
 """
 
@@ -30,7 +33,8 @@ def lr_multiplier(rule: str, size: int, *, backward_passes_per_step: int = 1, op
     if op == "adasum" or rule == "none":
         return 1.0
     batches = size * backward_passes_per_step
-    return float(batches) if rule == "linear" else math.sqrt(batches)
+    factor = float(batches) if rule == "linear" else math.sqrt(batches)
+    return factor / size if op == "sum" else factor
 
 
 def warmup_factor(step: int, warmup_steps: int, multiplier: float) -> float:
