@@ -20,6 +20,7 @@ import io
 import math
 import os
 import random
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -126,9 +127,19 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     schedule = _Schedule(multiplier=multiplier, warmup_steps=warmup_steps, rule=lr_scaling,
                          passes=backward_passes_per_step, op=op)
     dist.hvdp_schedule = schedule
+    dist.zero_grad = types.MethodType(_zero_grad, dist)
     dist.register_step_pre_hook(_pre_step_hook)
     dist.register_step_post_hook(_post_step_hook)
     return dist
+
+
+def _zero_grad(optimizer, set_to_none: bool = True):
+    # Horovod's zero_grad() takes no arguments (horovod#4026), so `zero_grad(set_to_none=True)` raised
+    # TypeError. Keep its race guard and pass the argument on to torch's Optimizer.zero_grad.
+    if optimizer._handles:
+        raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                             "or optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+    return torch.optim.Optimizer.zero_grad(optimizer, set_to_none=set_to_none)
 
 
 def _pre_step_hook(optimizer, args, kwargs):
