@@ -114,10 +114,12 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     multiplier = lr_multiplier(lr_scaling, hvd.size(), backward_passes_per_step=backward_passes_per_step, op=op)
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * multiplier
-    if backward_passes_per_step > 1:
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_hook(lambda g, k=backward_passes_per_step: g / k)
+    # A model prepared again (a new optimizer, a new k) must not keep the old ÷k hooks: they would compound.
+    for handle in getattr(model, "_hvdp_accumulation_hooks", ()):
+        handle.remove()
+    model._hvdp_accumulation_hooks = [
+        p.register_hook(lambda g, k=backward_passes_per_step: g / k)
+        for p in model.parameters() if p.requires_grad] if backward_passes_per_step > 1 else []
     dist = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), compression=_COMPRESSIONS[compression],
         op=_OPS[op], backward_passes_per_step=backward_passes_per_step)

@@ -97,6 +97,22 @@ def zero_grad_takes_set_to_none(tmp):
 
 
 @check
+def second_prepare_does_not_compound_accumulation_hooks(tmp):
+    # issue 14: each prepare(backward_passes_per_step=k) added ÷k hooks for good; a second one divided by k*k
+    model = _model(seed=0)
+    ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), backward_passes_per_step=2)
+    ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), backward_passes_per_step=2)
+    x, y = next(iter(ht.shard(_data(), batch_size=8)))
+    model.eval()  # no dropout: both forwards must agree
+    ref = copy.deepcopy(model)  # deepcopy drops tensor hooks: the reference sees the plain gradient
+    F.cross_entropy(ref(x), y).backward()
+    F.cross_entropy(model(x), y).backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, r.grad / 2), float((p.grad - r.grad / 2).abs().max())
+    # (Horovod's first wrapper keeps its own hooks; with k=2 and one backward neither wrapper all-reduces yet)
+
+
+@check
 def replicas_bit_identical_after_every_step(tmp):
     model = _model(seed=world.rank)  # rank-dependent init: prepare's broadcast must fix it
     opt = ht.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01))
