@@ -40,7 +40,7 @@ from hvdp import _horovod
 from hvdp.core import checkpoint as ckpt
 from hvdp.core import consistency
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
-from hvdp.core.scaling import lr_multiplier, warmup_factor
+from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
 from hvdp.core.sharding import ShardPlan, eval_bounds
 from hvdp.core.world import World, threads_per_rank
 
@@ -197,6 +197,19 @@ def scale_learning_rate(optimizer: keras.optimizers.Optimizer, multiplier: float
             optimizer.learning_rate = rate * multiplier
 
 
+def _rescale_learning_rate(optimizer: keras.optimizers.Optimizer, old_multiplier: float,
+                           new_multiplier: float) -> None:
+    """Make a rate scaled for another world (base x old_multiplier) base x new_multiplier, in place: the
+    rate variable is reassigned; a ScaledSchedule is rebuilt with the new multiplier (its warmup ramp too)."""
+    if old_multiplier == new_multiplier:
+        return
+    lr = optimizer._learning_rate
+    if isinstance(lr, ScaledSchedule):  # holds the unscaled base and the multiplier apart
+        optimizer._learning_rate = ScaledSchedule(lr.base, new_multiplier, lr.warmup_steps)
+    elif isinstance(lr, keras.Variable):
+        lr.assign(rescale_lr(float(keras.ops.convert_to_numpy(lr)), old_multiplier, new_multiplier))
+
+
 @keras.saving.register_keras_serializable(package="hvdp")
 class DistributedOptimizer(keras.optimizers.Optimizer):
     """A Keras 3 optimizer that averages gradients across ranks before the wrapped optimizer applies them.
@@ -312,12 +325,26 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def get_config(self):
         return {"name": self.name, "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
                 "lr_scaling": self.lr_scaling, "warmup_steps": self.warmup_steps,
-                "compression": self.compression, "backward_passes_per_step": self.backward_passes_per_step}
+                "compression": self.compression, "backward_passes_per_step": self.backward_passes_per_step,
+                "multiplier": self.multiplier}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
-        return cls(inner, _scaled=True, **config)  # the saved inner optimizer already holds the scaled rate
+        saved = config.pop("multiplier", None)  # absent in configs written before hvdp saved it
+        # The saved inner optimizer holds the rate scaled for the world it was saved in: rescale it to this one.
+        opt = cls(inner, _scaled=True, **config)
+        opt._saved_multiplier = opt.multiplier if saved is None else float(saved)
+        _rescale_learning_rate(inner, opt._saved_multiplier, opt.multiplier)
+        return opt
+
+    def load_own_variables(self, store):
+        # keras.saving.load_model assigns the saved variables after from_config, the rate variable among
+        # them (base x the saved world's multiplier): rescale it again.
+        super().load_own_variables(store)
+        _rescale_learning_rate(self.inner_optimizer, getattr(self, "_saved_multiplier", self.multiplier),
+                               self.multiplier)
 
 
 # ------------------------------------------------------------------------------------------- variables
@@ -562,7 +589,8 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     opt_vars = list(optimizer.variables) if optimizer is not None else []
     header = {"hvdp": ckpt.make_meta(framework=FRAMEWORK, step=global_step, epoch=epoch, world_size=hvd.size(),
                                      model_fingerprint=_fingerprint(model)),
-              "position": {"epoch": int(epoch), "step": int(step)},
+              "position": {"epoch": int(epoch), "step": int(step),
+                           "lr_multiplier": getattr(optimizer, "multiplier", None)},
               "model": [_label(v) for v in weights], "optimizer": [_label(v) for v in opt_vars],
               "extra": extra}
     arrays = {"header": np.array(json.dumps(header))}
@@ -634,6 +662,14 @@ def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimi
     if optimizer is not None:
         for v, a in zip(optimizer.variables, payload["optimizer"]):
             v.assign(a)
+        if isinstance(optimizer, DistributedOptimizer):
+            # The rate variable just restored is base x the saved world's multiplier (older files lack it:
+            # recompute it from the saved world size with this optimizer's rule); make it base x this world's.
+            saved = position.get("lr_multiplier")
+            if saved is None:
+                saved = lr_multiplier(optimizer.lr_scaling, header["hvdp"]["world_size"],
+                                      backward_passes_per_step=optimizer.backward_passes_per_step)
+            _rescale_learning_rate(optimizer.inner_optimizer, saved, optimizer.multiplier)
     mine = payload["local"].get(hvd.rank())
     local_vars = _local_variables(model, optimizer)
     if same_world and mine is not None and [a.shape for a in mine] == [tuple(v.shape) for v in local_vars]:

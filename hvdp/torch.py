@@ -33,7 +33,7 @@ from hvdp import _horovod
 from hvdp.core import checkpoint as ckpt
 from hvdp.core import consistency
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
-from hvdp.core.scaling import lr_multiplier, warmup_factor
+from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
 from hvdp.core.sharding import ShardPlan, eval_bounds
 from hvdp.core.watchdog import WAITING
 from hvdp.core.world import World, elastic, threads_per_rank
@@ -480,12 +480,17 @@ class ElasticState(ObjectState):
             root_rank=0, name="hvdp.elastic.sync")
         self.optimizer.load_state_dict(opt_state)
         s.multiplier = lr_multiplier(s.rule, hvd.size(), backward_passes_per_step=s.passes, op=s.op)
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["lr"] / multiplier * s.multiplier
+        _rescale_groups(self.optimizer, multiplier, s.multiplier)
         s.step = step
         self.sampler.resume(*position)
         super().sync()
         self._snapshot = self._take()  # what a failure before the next commit rolls back to
+
+
+def _rescale_groups(optimizer: torch.optim.Optimizer, old_multiplier: float, new_multiplier: float) -> None:
+    # A restored param group holds base x the multiplier of the world it was saved in; this world's differs.
+    for group in optimizer.param_groups:
+        group["lr"] = rescale_lr(group["lr"], old_multiplier, new_multiplier)
 
 
 def elastic_run(train: Callable) -> Callable:
@@ -532,7 +537,8 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "position": {"epoch": int(epoch), "step": int(step),
-                     "optimizer_steps": schedule.step if schedule else 0},
+                     "optimizer_steps": schedule.step if schedule else 0,
+                     "lr_multiplier": schedule.multiplier if schedule else 1.0},
         "rng": rng,
         "extra": extra,
     }
@@ -562,6 +568,13 @@ def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimi
     schedule = getattr(optimizer, "hvdp_schedule", None)
     if schedule is not None:
         schedule.step = position["optimizer_steps"]
+        # The restored rates are base x the saved world's multiplier (older files lack it: recompute it
+        # from the saved world size with this job's rule); make them base x this world's.
+        saved = position.get("lr_multiplier")
+        if saved is None:
+            saved = lr_multiplier(schedule.rule, payload["hvdp"]["world_size"],
+                                  backward_passes_per_step=schedule.passes, op=schedule.op)
+        _rescale_groups(optimizer, saved, schedule.multiplier)
     if payload["hvdp"]["world_size"] == hvd.size():
         _set_rng_state(payload["rng"][hvd.rank()])
     if loader is not None:

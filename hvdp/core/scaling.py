@@ -53,3 +53,14 @@ def warmup_factor(step: int, warmup_steps: int, multiplier: float) -> float:
 def scaled_lr(base_lr: float, step: int, *, multiplier: float, warmup_steps: int = 0) -> float:
     """The learning rate at optimizer step `step`: base * multiplier * warmup_factor."""
     return base_lr * multiplier * warmup_factor(step, warmup_steps, multiplier)
+
+
+def rescale_lr(lr: float, old_multiplier: float, new_multiplier: float) -> float:
+    """A rate scaled by `old_multiplier` (another world size) rescaled to `new_multiplier`: base x new.
+
+    What a checkpoint resumed, or an elastic job re-formed, at another world size must do to the rate it
+    restores: the saved rate is base x old_multiplier, and the job now runs with new_multiplier.
+    """
+    if old_multiplier <= 0 or new_multiplier <= 0:
+        raise ConfigError(f"LR multipliers must be > 0, got {old_multiplier} and {new_multiplier}")
+    return lr / old_multiplier * new_multiplier

@@ -58,3 +58,11 @@ def test_lr_multiplier_sum_counts_the_sum_once(rule, size, k, expected):
     average = lr_multiplier(rule, size, backward_passes_per_step=k, op="average")
     if rule != "none":
         assert got * size == pytest.approx(average)  # same step: sum-gradient * got == average-gradient * average
+
+
+@pytest.mark.parametrize("old,new", [(2, 1), (1, 2), (4, 3)])
+def test_rescale_lr_gives_base_times_the_new_multiplier(old, new):
+    from hvdp.core.scaling import rescale_lr
+    saved = 0.05 * lr_multiplier("linear", old)
+    assert rescale_lr(saved, lr_multiplier("linear", old), lr_multiplier("linear", new)) == pytest.approx(
+        0.05 * lr_multiplier("linear", new))
