@@ -58,6 +58,7 @@ def init(*, timeline: str | None = None) -> World:
     thread pools (TensorFlow would otherwise start one thread per core in every rank).
     """
     w = _horovod.init("tensorflow", timeline)[1]
+    _check_keras_backend(w.rank)
     if "OMP_NUM_THREADS" not in os.environ:
         threads = threads_per_rank(os.cpu_count() or 1, w.local_size)
         try:
@@ -70,6 +71,18 @@ def init(*, timeline: str | None = None) -> World:
 
 def world() -> World:
     return World.from_horovod(hvd)
+
+
+def _check_keras_backend(rank: int) -> None:
+    # Under another Keras backend, model.fit's gradients are that framework's tensors: DistributedOptimizer's
+    # TensorFlow all-reduce of them fails inside fit at np>1 (and does nothing visible at np=1). Every rank
+    # reads the same KERAS_BACKEND, so every rank raises here, before any collective.
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ConfigError(
+            f"Keras runs on the {backend!r} backend (keras.backend.backend()), and hvdp.keras / "
+            f"hvdp.tensorflow average TensorFlow gradients only: set KERAS_BACKEND=tensorflow before Keras is "
+            f"imported, or train the PyTorch way with hvdp.torch", rank=rank)
 
 
 def barrier() -> None:
