@@ -193,9 +193,18 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return cls(base, config["multiplier"], config["warmup_steps"])
 
 
+def _rate_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    # A LossScaleOptimizer's own rate variable is a 0.0 placeholder: the rate that trains is its inner one's.
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
 def scale_learning_rate(optimizer: keras.optimizers.Optimizer, multiplier: float, warmup_steps: int = 0) -> None:
     """Scale `optimizer`'s learning rate in place by `multiplier`, ramping from the base rate over
-    `warmup_steps` optimizer steps. A float rate stays a (settable) variable when there is no warmup."""
+    `warmup_steps` optimizer steps. A float rate stays a (settable) variable when there is no warmup.
+    For a LossScaleOptimizer, the rate of the optimizer it wraps is scaled."""
+    optimizer = _rate_owner(optimizer)
     base = optimizer._learning_rate
     if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
         optimizer.learning_rate = ScaledSchedule(base, multiplier, warmup_steps)
@@ -216,6 +225,7 @@ def _rescale_learning_rate(optimizer: keras.optimizers.Optimizer, old_multiplier
     rate variable is reassigned; a ScaledSchedule is rebuilt with the new multiplier (its warmup ramp too)."""
     if old_multiplier == new_multiplier:
         return
+    optimizer = _rate_owner(optimizer)
     lr = optimizer._learning_rate
     if isinstance(lr, ScaledSchedule):  # holds the unscaled base and the multiplier apart
         optimizer._learning_rate = ScaledSchedule(lr.base, new_multiplier, lr.warmup_steps)
