@@ -1,4 +1,4 @@
-# hvdp: Horovod 0.28.1 with the pinned PyTorch and TensorFlow/Keras 3 (docker/constraints.txt), OpenMPI and
+# hvdp: Horovod 0.28.1 with the pinned PyTorch and TensorFlow/Keras 3 (constraints.txt), OpenMPI and
 # Gloo, run as a non-root user. The default CMD is the main job on 2 ranks.
 #
 #   docker build -t hvdp .                       # CPU (python:3.11-slim-bookworm)
@@ -17,11 +17,12 @@ ARG HVDP_DEVICE=cpu
 ARG TORCH_INDEX_URL=auto
 ARG PIP_CERT
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
-COPY docker/image.sh docker/constraints.txt /src/docker/
+COPY docker/image.sh /src/docker/
 RUN bash /src/docker/image.sh system build
 COPY docker/wheels/ /tmp/wheels/
-COPY docker/build_horovod.sh /src/docker/
-COPY docker/horovod/ /src/docker/horovod/
+COPY constraints.txt /src/
+COPY scripts/build_horovod.sh /src/scripts/
+COPY csrc/ /src/csrc/
 RUN bash /src/docker/image.sh frameworks
 COPY setup.cfg pyproject.toml README.md /src/
 COPY hvdp/ /src/hvdp/
@@ -29,7 +30,7 @@ RUN bash /src/docker/image.sh hvdp
 
 FROM ${BASE_IMAGE}
 ARG HVDP_DEVICE=cpu
-COPY docker/image.sh docker/constraints.txt /tmp/hvdp/docker/
+COPY docker/image.sh /tmp/hvdp/docker/
 RUN bash /tmp/hvdp/docker/image.sh system runtime && rm -rf /tmp/hvdp \
     && useradd --create-home --uid 1000 --shell /bin/bash app \
     && install -d -o app -g app /workspace

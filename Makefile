@@ -7,7 +7,7 @@ NP    ?= 2
 .PHONY: setup test test-fast soak train bench docker-test clean
 
 setup:
-	@bash docker/setup.sh
+	@bash scripts/setup.sh
 
 test: setup
 	$(PY) -m pytest -q tests
@@ -28,7 +28,7 @@ bench: setup
 	$(VENV)/bin/hvdp bench --np $(NP)
 
 docker-test: setup
-	bash docker/test_image.sh
+	bash scripts/test_image.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The steps of the Dockerfile, as one script the Dockerfile runs stage by stage (and test_image.sh reads
-# for the package list). Works on python:3.11-slim-bookworm, on a bare Debian bookworm and on Ubuntu
+# for the package list). It runs from the build context's layout: /src/docker/image.sh, /src/constraints.txt,
+# /src/scripts/build_horovod.sh and /src/csrc/horovod/. Works on python:3.11-slim-bookworm, on a bare Debian bookworm and on Ubuntu
 # (CUDA images): what the base lacks is installed with apt.
 #
 #   image.sh system build|runtime   apt packages: compilers and MPI headers for the build stage, MPI and
@@ -19,7 +20,7 @@ DEVICE="${HVDP_DEVICE:-cpu}"
 VENV=/opt/hvdp/venv
 WHEELS=/tmp/wheels
 say() { printf '[image] %s\n' "$*"; }
-pin() { sed -n "s/^$1==//p" "$here/constraints.txt"; }
+pin() { sed -n "s/^$1==//p" "$src/constraints.txt"; }
 case "$DEVICE" in cpu|cuda) ;; *) echo "HVDP_DEVICE=$DEVICE: use cpu or cuda" >&2; exit 2 ;; esac
 
 packages() {
@@ -80,7 +81,7 @@ python_stack() {
     python3 -m venv "$VENV"
     mapfile -t reqs < <(packages)
     say "installing ${reqs[*]}"
-    TORCH_INDEX=1 pip_install -c "$here/constraints.txt" "${reqs[@]}"
+    TORCH_INDEX=1 pip_install -c "$src/constraints.txt" "${reqs[@]}"
     # mpi4py built against the image's OpenMPI (its wheels carry their own MPI).
     pip_install --no-binary mpi4py "mpi4py==$(pin mpi4py)"
     # Horovod: build_horovod.sh finds a wheel under $HVDP_CACHE_DIR/wheels/<key> when the context
@@ -88,7 +89,7 @@ python_stack() {
     mkdir -p /tmp/hvdp-cache
     [[ -d $WHEELS/horovod ]] && ln -sfn "$WHEELS/horovod" /tmp/hvdp-cache/wheels
     [[ $DEVICE == cuda ]] && export HOROVOD_GPU_OPERATIONS="${HOROVOD_GPU_OPERATIONS:-NCCL}"
-    wheel="$(HVDP_CACHE_DIR=/tmp/hvdp-cache PYTHON="$VENV/bin/python" "$here/build_horovod.sh" | tail -1)"
+    wheel="$(HVDP_CACHE_DIR=/tmp/hvdp-cache PYTHON="$VENV/bin/python" "$src/scripts/build_horovod.sh" | tail -1)"
     say "installing $wheel"
     "$VENV/bin/python" -m pip install -q --no-deps "$wheel"
 }

@@ -1,5 +1,5 @@
 """`hvdp bench --quick` runs end to end and writes the JSON other tools read and a PNG. No speed thresholds:
-the machines are shared and noisy; numbers are for the README's table, not for pass/fail."""
+the machines are shared and noisy; numbers are for docs/benchmarks.md, not for pass/fail."""
 
 import json
 import subprocess

@@ -1,4 +1,4 @@
-"""hvdp's runtime defaults for Horovod and MPI, chosen from `hvdp bench` measurements (see README, Benchmarks).
+"""hvdp's runtime defaults for Horovod and MPI, chosen from `hvdp bench` measurements (docs/benchmarks.md, docs/internals.md).
 
 Each is an environment variable read when Horovod / MPI initialise; hvdp sets it only when the user has
 not, so `export NAME=value` (or horovodrun's own flags) always wins.
@@ -17,13 +17,13 @@ RUNTIME_DEFAULTS: dict[str, str] = {
     # cores the spinning rank steals the core its peer needs to finish its step.
     "OMPI_MCA_mpi_yield_when_idle": "1",
     # Ranks on one host all-reduce through shared memory, in cache-sized chunks, instead of MPI's ring
-    # (docker/horovod/shm_operations.cc, built into Horovod by `make setup`). At 64 MiB it measured about
+    # (csrc/horovod/shm_operations.cc, built into Horovod by `make setup`). At 64 MiB it measured about
     # 3x MPI's bus bandwidth here. No effect across hosts, with Gloo, or on a stock Horovod build.
     "HVDP_SHM_ALLREDUCE": "1",
     # Ranks that submit different collectives (one rank skipped an allreduce, or took another branch after
     # a result it alone saw) wait for each other forever: Horovod's stall inspector only warns, every 60 s,
     # unless told to end the job. After 30 minutes it ends it on every rank, rank 0 naming each rank's
-    # missing tensors (measured under MPI; under Gloo it was seen not to fire, see README). A peer that is
+    # missing tensors (measured under MPI; under Gloo it was seen not to fire, see docs/troubleshooting.md). A peer that is
     # merely slow, such as rank 0 writing a large checkpoint, is well inside that; hvdp's watchdog handles
     # hung and vanished ranks much sooner.
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "1800",

@@ -31,15 +31,15 @@ def _version(dist: str) -> str | None:
 
 
 def _pins() -> dict[str, str]:
-    """The tested pins from docker/constraints.txt, when running from a checkout."""
-    path = Path(__file__).resolve().parents[2] / "docker" / "constraints.txt"
+    """The tested pins from constraints.txt, when running from a checkout."""
+    path = Path(__file__).resolve().parents[2] / "constraints.txt"
     if not path.is_file():
         return {}
     return dict(line.split("==", 1) for line in path.read_text().split() if "==" in line)
 
 
 def _built_by_hvdp() -> bool:
-    """Whether the installed Horovod is a wheel from hvdp's build (docker/build_horovod.sh) with its fixes."""
+    """Whether the installed Horovod is a wheel from hvdp's build (scripts/build_horovod.sh) with its fixes."""
     try:
         origin = metadata.distribution("horovod").read_text("direct_url.json") or ""
     except metadata.PackageNotFoundError:
@@ -60,12 +60,12 @@ def _torch_lib_has(marker: bytes) -> bool | None:
 
 
 def has_shm_allreduce() -> bool | None:
-    """Whether the installed Horovod carries hvdp's shared-memory allreduce (docker/horovod/shm_operations.cc)."""
+    """Whether the installed Horovod carries hvdp's shared-memory allreduce (csrc/horovod/shm_operations.cc)."""
     return _torch_lib_has(b"hvdp shared-memory allreduce")
 
 
 def has_bfloat16() -> bool | None:
-    """Whether the installed Horovod's torch bindings take bfloat16 tensors (docker/horovod/bfloat16.patch)."""
+    """Whether the installed Horovod's torch bindings take bfloat16 tensors (csrc/horovod/patches/bfloat16.patch)."""
     return _torch_lib_has(b"horovod_torch_allreduce_async_torch_BFloat16Tensor")
 
 
@@ -142,7 +142,7 @@ def run(args) -> int:
         address = None
     gloo = gloo_hostname_problem(os.environ, socket.gethostname(), address)
     if gloo and _built_by_hvdp():
-        print(f"  note: {gloo}. This Horovod was built by hvdp (docker/build_horovod.sh fix 3: Gloo keeps the "
+        print(f"  note: {gloo}. This Horovod was built by hvdp (scripts/build_horovod.sh fix 3: Gloo keeps the "
               f"--network-interface for its collectives), so this stock-Horovod trap does not apply here.")
     elif gloo:
         problems.append(gloo)

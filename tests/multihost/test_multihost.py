@@ -82,7 +82,7 @@ def test_gloo_across_hosts_despite_a_loopback_hostname(cluster):
     """Stock Horovod 0.28.1's Gloo forgets --network-interface for the contexts its collectives use and
     hands the other host the address this machine's hostname resolves to (loopback or nothing), so the job
     cannot connect. Started with `ip netns exec` alone, hosta keeps the machine's hostname, which hosta's
-    /etc/hosts does not know. hvdp's build (docker/build_horovod.sh, fix 3) keeps the interface: the job
+    /etc/hosts does not know. hvdp's build (scripts/build_horovod.sh, fix 3) keeps the interface: the job
     trains, and doctor explains the trap as a note instead of a problem."""
     prefix = ["ip", "netns", "exec", cluster.host("hosta").netns] + horovodrun(cluster, "gloo")
     proc = subprocess.run(prefix + [sys.executable, "-m", "hvdp.tools.cli", "doctor", "--no-build-check"],

@@ -1,4 +1,4 @@
-"""hvdp's shared-memory allreduce (built into Horovod by docker/build_horovod.sh) against a reference computed
+"""hvdp's shared-memory allreduce (built into Horovod by scripts/build_horovod.sh) against a reference computed
 from every rank's inputs, in MPI jobs of 2 and 3 ranks, with chunks small enough that every tensor crosses
 many of them, with the default chunk, and switched off. One launch per configuration runs every check in
 worker_shm.py."""

@@ -1,4 +1,4 @@
-"""Checks of hvdp's shared-memory allreduce (docker/horovod/shm_operations.cc) inside a real MPI job, run by
+"""Checks of hvdp's shared-memory allreduce (csrc/horovod/shm_operations.cc) inside a real MPI job, run by
 tests/torch/test_shm_allreduce.py at several world sizes and chunk sizes.
 
 The reference for every result is computed here from the inputs of all ranks, gathered with MPI's

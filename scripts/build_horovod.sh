@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Build Horovod from its PyPI sdist against the frameworks installed in $PYTHON's environment, with the
 # source fixes today's frameworks need, and cache the wheel outside the repo. Used by `make setup`
-# (docker/setup.sh) and by the Dockerfile: one build recipe for both.
+# (scripts/setup.sh) and by the Dockerfile (docker/image.sh): one build recipe for both. Its inputs: the pins
+# in constraints.txt, this script, and the C++ sources and patches in csrc/horovod/.
 #
-#   PYTHON=.venv/bin/python docker/build_horovod.sh      -> prints the path of the cached wheel
+#   PYTHON=$PWD/.venv/bin/python scripts/build_horovod.sh     -> prints the path of the cached wheel
 #
 # Environment: HVDP_CACHE_DIR (default ~/.cache/hvdp), HOROVOD_GPU_OPERATIONS (e.g. NCCL for the CUDA image;
 # it becomes part of the cache key), MAKEFLAGS (default -j$(nproc)).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
+csrc="$root/csrc/horovod"
 PYTHON="${PYTHON:-python3}"
-pin() { sed -n "s/^$1==//p" "$here/constraints.txt"; }
+pin() { sed -n "s/^$1==//p" "$root/constraints.txt"; }
 HOROVOD_VERSION="$(pin horovod)"
 
 # The source changes, applied to an unpacked Horovod tree ($1). `build_horovod.sh --patch DIR` applies them
@@ -31,15 +34,15 @@ apply_fixes() {
     grep -q 'gloo_iface_ = global_context.gloo_iface_;' "$1/horovod/common/gloo/gloo_context.cc" || { echo "gloo patch failed" >&2; exit 1; }
     # Fix 4: bfloat16 (horovod#4047): a HOROVOD_BFLOAT16 type, its MPI and Gloo reductions (widened to
     # float32, rounded once per step), scaling, NCCL's ncclBfloat16, and torch's BFloat16Tensor bindings.
-    patch -s -p1 -d "$1" < "$here/horovod/bfloat16.patch"
+    patch -s -p1 -d "$1" < "$csrc/patches/bfloat16.patch"
     grep -q 'HOROVOD_BFLOAT16 = 10' "$1/horovod/common/message.h" || { echo "bfloat16 patch failed" >&2; exit 1; }
     # Fix 5: horovod.torch's synchronize() polled its handle in a sched_yield loop, one busy core per rank
     # while it waits; it now blocks on a condition variable that the background thread signals.
-    patch -s -p1 -d "$1" < "$here/horovod/torch_wait.patch"
+    patch -s -p1 -d "$1" < "$csrc/patches/torch_wait.patch"
     grep -q 'handle_manager.WaitHandle(handle)' "$1/horovod/torch/mpi_ops_v2.cc" || { echo "torch wait patch failed" >&2; exit 1; }
     # Addition (not a repair): hvdp's shared-memory allreduce for ranks on one host, tried before MPI's.
-    # docker/horovod/shm_operations.cc says how it works; it is off unless HVDP_SHM_ALLREDUCE=1.
-    cp "$here/horovod/shm_operations.h" "$here/horovod/shm_operations.cc" "$1/horovod/common/ops/"
+    # csrc/horovod/shm_operations.cc says how it works; it is off unless HVDP_SHM_ALLREDUCE=1.
+    cp "$csrc/shm_operations.h" "$csrc/shm_operations.cc" "$1/horovod/common/ops/"
     sed -i 's|"${PROJECT_SOURCE_DIR}/horovod/common/ops/mpi_operations.cc"|&\n                "${PROJECT_SOURCE_DIR}/horovod/common/ops/shm_operations.cc"|' "$1/CMakeLists.txt"
     sed -i 's|^#include "ops/mpi_operations.h"|&\n#include "ops/shm_operations.h"|' "$1/horovod/common/operations.cc"
     sed -i 's|^        std::shared_ptr<AllreduceOp>(new MPIAllreduce(&state)));|        std::shared_ptr<AllreduceOp>(new ShmAllreduce(\&state)));\n    allreduce_ops.push_back(\n&|' \
@@ -54,8 +57,10 @@ if [ "${1:-}" = "--patch" ]; then
 fi
 
 # The key names everything the binary depends on: the installed frameworks, python, the GPU ops and
-# this recipe itself (a new source fix must not reuse a wheel built without it).
-recipe="$(cat "$here/build_horovod.sh" "$here"/horovod/* | sha256sum | cut -c1-8)"
+# this recipe itself: this script and every file under csrc/horovod/, by content and by name (a new
+# source fix must not reuse a wheel built without it).
+recipe="$(cd "$root" && find scripts/build_horovod.sh csrc/horovod -type f | LC_ALL=C sort \
+          | while read -r f; do printf '%s\n' "$f"; cat "$f"; done | sha256sum | cut -c1-8)"
 key="$("$PYTHON" - "$HOROVOD_VERSION" "${HOROVOD_GPU_OPERATIONS:-cpu}" "$recipe" <<'PY'
 import platform, sys
 from importlib.metadata import version

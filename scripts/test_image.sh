@@ -89,20 +89,20 @@ say "base image: $base"
 # 3. The build context's wheels: the pinned frameworks (downloaded once per constraints.txt and python) and
 #    the Horovod wheel make setup built. A host python other than the image's only costs the shortcut.
 pyver="$("$VPY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
-wkey="$({ cat docker/constraints.txt; bash docker/image.sh packages; } | sha256sum | cut -c1-12)-$pyver-$(uname -m)"
+wkey="$({ cat constraints.txt; bash docker/image.sh packages; } | sha256sum | cut -c1-12)-$pyver-$(uname -m)"
 wheels="$cache/image-wheels/$wkey"
 if [[ ! -e $wheels/.complete ]]; then
     say "downloading the framework wheels into $wheels (~600 MB, once)"
     mkdir -p "$wheels"
     mapfile -t reqs < <(bash docker/image.sh packages)
-    "$VPY" -m pip download -q -d "$wheels" -c docker/constraints.txt "${reqs[@]}" 2> >(grep -v "is ignored: it is neither" >&2)
+    "$VPY" -m pip download -q -d "$wheels" -c constraints.txt "${reqs[@]}" 2> >(grep -v "is ignored: it is neither" >&2)
     "$VPY" -m pip download -q -d "$wheels" --no-deps --no-binary mpi4py \
-        "mpi4py==$(sed -n 's/^mpi4py==//p' docker/constraints.txt)" 2> >(grep -v "is ignored: it is neither" >&2)
+        "mpi4py==$(sed -n 's/^mpi4py==//p' constraints.txt)" 2> >(grep -v "is ignored: it is neither" >&2)
     touch "$wheels/.complete"
 fi
 find docker/wheels -mindepth 1 ! -name README.md -delete
 cp -l "$wheels"/* docker/wheels/ 2>/dev/null || cp "$wheels"/* docker/wheels/
-hwheel="$(PYTHON="$VPY" bash docker/build_horovod.sh | tail -1)"
+hwheel="$(PYTHON="$VPY" bash scripts/build_horovod.sh | tail -1)"
 mkdir -p "docker/wheels/horovod/$(basename "$(dirname "$hwheel")")"
 cp -l "$hwheel" "docker/wheels/horovod/$(basename "$(dirname "$hwheel")")/" 2>/dev/null \
     || cp "$hwheel" "docker/wheels/horovod/$(basename "$(dirname "$hwheel")")/"

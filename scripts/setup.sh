@@ -3,7 +3,7 @@
 # Idempotent: every step checks before it acts, and a rerun with nothing to do takes seconds.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-here="$root/docker"
+here="$root/scripts"
 VENV="${VENV:-$root/.venv}"
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
@@ -13,7 +13,7 @@ PY="${PYTHON:-python3}"
 pyver="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 case "$pyver" in
     3.10|3.11|3.12|3.13) ;;
-    *) die "python $pyver is not supported by the pinned stack in docker/constraints.txt (needs 3.10-3.13); set PYTHON=/path/to/python3.11" ;;
+    *) die "python $pyver is not supported by the pinned stack in constraints.txt (needs 3.10-3.13); set PYTHON=/path/to/python3.11" ;;
 esac
 
 # 2. System packages: OpenMPI (mpirun + headers for Horovod and mpi4py) and a C++ toolchain.
@@ -23,7 +23,7 @@ command -v mpicxx >/dev/null || missing+=(libopenmpi-dev)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
 command -v make >/dev/null || missing+=(make)
-command -v patch >/dev/null || missing+=(patch)  # build_horovod.sh applies docker/horovod/*.patch
+command -v patch >/dev/null || missing+=(patch)  # build_horovod.sh applies csrc/horovod/patches/*.patch
 command -v ssh >/dev/null || missing+=(openssh-client)
 # The multihost tests run a real sshd per network-namespace host (tests/multihost).
 [[ -x /usr/sbin/sshd ]] || command -v sshd >/dev/null || missing+=(openssh-server)
@@ -42,14 +42,15 @@ fi
 #    rerun with unchanged pins and setup.cfg skips pip entirely.
 [[ -x "$VENV/bin/python" ]] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
 VPY="$VENV/bin/python"
-pin() { sed -n "s/^$1==//p" "$here/constraints.txt"; }
+pin() { sed -n "s/^$1==//p" "$root/constraints.txt"; }
 stamp="$VENV/.hvdp-stamp"
-want="$(cat "$here/constraints.txt" "$root/setup.cfg" "$here/setup.sh" "$here/build_horovod.sh" "$here"/horovod/* | sha256sum | cut -c1-16)"
+want="$(find "$root/constraints.txt" "$root/setup.cfg" "$here/setup.sh" "$here/build_horovod.sh" "$root/csrc/horovod" -type f \
+        | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     say "installing the pinned stack (torch $(pin torch), tensorflow-cpu $(pin tensorflow-cpu), keras $(pin keras))"
     "$VPY" -m pip install -q --upgrade pip setuptools wheel
     # torch pinned exactly: a bare `torch` would pull a multi-GB CUDA build.
-    "$VPY" -m pip install -q -c "$here/constraints.txt" \
+    "$VPY" -m pip install -q -c "$root/constraints.txt" \
         "torch==$(pin torch)" "tensorflow-cpu==$(pin tensorflow-cpu)" "keras==$(pin keras)" \
         cloudpickle psutil pyyaml packaging
     # mpi4py built against the system OpenMPI (its wheels carry their own MPI).
@@ -68,7 +69,7 @@ fi
 
 # 5. hvdp itself, editable, with its test tools.
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
-    "$VPY" -m pip install -q -c "$here/constraints.txt" -e "$root[dev]"
+    "$VPY" -m pip install -q -c "$root/constraints.txt" -e "$root[dev]"
     echo "$want" > "$stamp"
 fi
 

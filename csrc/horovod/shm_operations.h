@@ -1,6 +1,6 @@
 // hvdp: a shared-memory allreduce for ranks that share one host, added to Horovod 0.28.1's CPU operations
-// by docker/build_horovod.sh. Off unless HVDP_SHM_ALLREDUCE=1 (hvdp's runtime defaults set it); see the
-// README's "Benchmarks" for why it exists and what it measured.
+// by scripts/build_horovod.sh. Off unless HVDP_SHM_ALLREDUCE=1 (hvdp's runtime defaults set it); see
+// docs/internals.md for how it works and docs/benchmarks.md for what it measured.
 //
 // The ranks map one segment of /dev/shm holding one cache line of barrier words and two chunk slots per
 // rank. A buffer (one tensor, or the tensors of a fused response, which skip Horovod's fusion buffer) goes
