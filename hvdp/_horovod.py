@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
+import secrets
 import socket
 
 from hvdp.core import checkpoint as ckpt
@@ -80,7 +81,11 @@ def _start_watchdog(hvd, world: World) -> None:
     sock = open_socket(bind)
     port = sock.getsockname()[1]
     peers = hvd.allgather_object([(a, port) for a in addresses], name="hvdp.watchdog.peers")
-    _watchdog = Watchdog(world.rank, peers, sock, timeout=timeout).start()
+    # The heartbeats are signed with a per-job secret agreed through Horovod, so that no other process (or
+    # other hvdp job on the host) can forge or confuse them.
+    secret = hvd.broadcast_object(secrets.token_bytes(32) if world.rank == 0 else None, root_rank=0,
+                                  name="hvdp.watchdog.secret")
+    _watchdog = Watchdog(world.rank, peers, sock, secret=secret, timeout=timeout).start()
     atexit.register(_watchdog.stop)
 
 

@@ -97,6 +97,31 @@ class _RankZeroProgbar(keras.callbacks.ProgbarLogger):
             self.verbose = 0
 
 
+def _loss_scaling_inside(model):
+    """The optimizer fit must use: under mixed_float16, compile wraps DistributedOptimizer(opt) in a
+    LossScaleOptimizer, which checks every rank's own scaled gradients for inf/NaN before they are averaged:
+    ranks then disagree on skipping a step (and one waits in an all-reduce the other never starts). Turn
+    LossScaleOptimizer(DistributedOptimizer(opt)) into DistributedOptimizer(LossScaleOptimizer(opt)): the
+    scaled gradients are averaged first, so every rank sees the same values and takes the same skip
+    decision, and they are unscaled after. A DistributedOptimizer already holding a LossScaleOptimizer only
+    loses compile's extra wrapper (it would scale the loss twice)."""
+    outer = model.optimizer
+    if not (isinstance(outer, keras.optimizers.LossScaleOptimizer)
+            and isinstance(outer.inner_optimizer, DistributedOptimizer)):
+        return outer
+    dist = outer.inner_optimizer
+    if outer.built:
+        raise ConfigError("the model's LossScaleOptimizer(DistributedOptimizer) was already used for a step; "
+                          "give hvdp.keras.callbacks() to the first fit after compile", rank=hvd.rank())
+    if not isinstance(dist.inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        dist.inner_optimizer = keras.optimizers.LossScaleOptimizer(
+            dist.inner_optimizer, initial_scale=outer.initial_scale,
+            dynamic_growth_steps=outer.dynamic_growth_steps)
+    model.optimizer = dist
+    model.make_train_function(force=True)  # fit looks the step up every step: it now uses `dist`
+    return dist
+
+
 class DistributedCallback(keras.callbacks.Callback):
     """What model.fit needs for data parallelism; see callbacks(), which builds it (use that).
 
@@ -134,7 +159,7 @@ class DistributedCallback(keras.callbacks.Callback):
             CheckpointError: the newest checkpoint cannot be resumed (see load_checkpoint).
         """
         model = self.model
-        optimizer = model.optimizer
+        optimizer = model.optimizer = _loss_scaling_inside(model)
         if hvd.size() > 1 and not isinstance(optimizer, DistributedOptimizer):
             raise ConfigError(
                 f"the model was compiled with {type(optimizer).__name__}, which does not average gradients "

@@ -46,7 +46,7 @@ from hvdp import _horovod
 from hvdp.core import checkpoint as ckpt
 from hvdp.core import consistency
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
-from hvdp.core.scaling import lr_multiplier, warmup_factor
+from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
 from hvdp.core.sharding import ShardPlan, eval_bounds
 from hvdp.core.world import World, threads_per_rank
 
@@ -78,6 +78,7 @@ def init(*, timeline: str | None = None) -> World:
         ConfigError: a malformed HVDP_SHM_* or HVDP_WATCHDOG_TIMEOUT environment variable.
     """
     w = _horovod.init("tensorflow", timeline)[1]
+    _check_keras_backend(w.rank)
     if "OMP_NUM_THREADS" not in os.environ:
         threads = threads_per_rank(os.cpu_count() or 1, w.local_size)
         try:
@@ -91,6 +92,18 @@ def init(*, timeline: str | None = None) -> World:
 def world() -> World:
     """This process's World (rank, size, local_rank, local_size); call init() first (Horovod raises before)."""
     return World.from_horovod(hvd)
+
+
+def _check_keras_backend(rank: int) -> None:
+    # Under another Keras backend, model.fit's gradients are that framework's tensors: DistributedOptimizer's
+    # TensorFlow all-reduce of them fails inside fit at np>1 (and does nothing visible at np=1). Every rank
+    # reads the same KERAS_BACKEND, so every rank raises here, before any collective.
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ConfigError(
+            f"Keras runs on the {backend!r} backend (keras.backend.backend()), and hvdp.keras / "
+            f"hvdp.tensorflow average TensorFlow gradients only: set KERAS_BACKEND=tensorflow before Keras is "
+            f"imported, or train the PyTorch way with hvdp.torch", rank=rank)
 
 
 def barrier() -> None:
@@ -241,11 +254,19 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return cls(base, config["multiplier"], config["warmup_steps"])
 
 
+def _rate_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    # A LossScaleOptimizer's own rate variable is a 0.0 placeholder: the rate that trains is its inner one's.
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
 def scale_learning_rate(optimizer: keras.optimizers.Optimizer, multiplier: float, warmup_steps: int = 0) -> None:
     """Scale `optimizer`'s learning rate in place by `multiplier`, ramping from the base rate over
     `warmup_steps` optimizer steps. A float rate stays a (settable) variable when there is no warmup.
 
-    A LearningRateSchedule, or a float with warmup, becomes a ScaledSchedule. DistributedOptimizer already
+    For a LossScaleOptimizer, the rate of the optimizer it wraps is scaled. A LearningRateSchedule, or a
+    float with warmup, becomes a ScaledSchedule. DistributedOptimizer already
     does this; call it yourself only with a plain optimizer (e.g. after DistributedGradientTape).
 
     Args:
@@ -256,6 +277,7 @@ def scale_learning_rate(optimizer: keras.optimizers.Optimizer, multiplier: float
     Raises:
         ConfigError: the optimizer's learning_rate is a plain callable (not a LearningRateSchedule).
     """
+    optimizer = _rate_owner(optimizer)
     base = optimizer._learning_rate
     if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
         optimizer.learning_rate = ScaledSchedule(base, multiplier, warmup_steps)
@@ -268,6 +290,20 @@ def scale_learning_rate(optimizer: keras.optimizers.Optimizer, multiplier: float
             optimizer.learning_rate = ScaledSchedule(rate, multiplier, warmup_steps)
         else:
             optimizer.learning_rate = rate * multiplier
+
+
+def _rescale_learning_rate(optimizer: keras.optimizers.Optimizer, old_multiplier: float,
+                           new_multiplier: float) -> None:
+    """Make a rate scaled for another world (base x old_multiplier) base x new_multiplier, in place: the
+    rate variable is reassigned; a ScaledSchedule is rebuilt with the new multiplier (its warmup ramp too)."""
+    if old_multiplier == new_multiplier:
+        return
+    optimizer = _rate_owner(optimizer)
+    lr = optimizer._learning_rate
+    if isinstance(lr, ScaledSchedule):  # holds the unscaled base and the multiplier apart
+        optimizer._learning_rate = ScaledSchedule(lr.base, new_multiplier, lr.warmup_steps)
+    elif isinstance(lr, keras.Variable):
+        lr.assign(rescale_lr(float(keras.ops.convert_to_numpy(lr)), old_multiplier, new_multiplier))
 
 
 @keras.saving.register_keras_serializable(package="hvdp")
@@ -420,13 +456,31 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """Keras serialisation: the wrapped optimizer (holding the scaled rate) and the arguments."""
         return {"name": self.name, "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
                 "lr_scaling": self.lr_scaling, "warmup_steps": self.warmup_steps,
-                "compression": self.compression, "backward_passes_per_step": self.backward_passes_per_step}
+                "compression": self.compression, "backward_passes_per_step": self.backward_passes_per_step,
+                "multiplier": self.multiplier}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        """Rebuild from get_config()'s `config`, resolving `custom_objects`; the rate is not scaled again."""
+        """Rebuild from get_config()'s `config`, resolving `custom_objects`; the saved rate, scaled for the world it
+        was saved in, is rescaled to this world's multiplier."""
+        config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
-        return cls(inner, _scaled=True, **config)  # the saved inner optimizer already holds the scaled rate
+        saved = config.pop("multiplier", None)  # absent in configs written before hvdp saved it
+        # The saved inner optimizer holds the rate scaled for the world it was saved in: rescale it to this one.
+        opt = cls(inner, _scaled=True, **config)
+        opt._saved_multiplier = opt.multiplier if saved is None else float(saved)
+        _rescale_learning_rate(inner, opt._saved_multiplier, opt.multiplier)
+        return opt
+
+    def load_own_variables(self, store):
+        """Keras serialisation: assign the saved variables from `store`, then rescale the restored rate.
+
+        keras.saving.load_model assigns the saved variables after from_config, the rate variable among them
+        (base x the saved world's multiplier), so the rate is rescaled to this world's multiplier again.
+        """
+        super().load_own_variables(store)
+        _rescale_learning_rate(self.inner_optimizer, getattr(self, "_saved_multiplier", self.multiplier),
+                               self.multiplier)
 
 
 # ------------------------------------------------------------------------------------------- variables
@@ -756,7 +810,8 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     opt_vars = list(optimizer.variables) if optimizer is not None else []
     header = {"hvdp": ckpt.make_meta(framework=FRAMEWORK, step=global_step, epoch=epoch, world_size=hvd.size(),
                                      model_fingerprint=_fingerprint(model)),
-              "position": {"epoch": int(epoch), "step": int(step)},
+              "position": {"epoch": int(epoch), "step": int(step),
+                           "lr_multiplier": getattr(optimizer, "multiplier", None)},
               "model": [_label(v) for v in weights], "optimizer": [_label(v) for v in opt_vars],
               "extra": extra}
     arrays = {"header": np.array(json.dumps(header))}
@@ -843,6 +898,14 @@ def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimi
     if optimizer is not None:
         for v, a in zip(optimizer.variables, payload["optimizer"]):
             v.assign(a)
+        if isinstance(optimizer, DistributedOptimizer):
+            # The rate variable just restored is base x the saved world's multiplier (older files lack it:
+            # recompute it from the saved world size with this optimizer's rule); make it base x this world's.
+            saved = position.get("lr_multiplier")
+            if saved is None:
+                saved = lr_multiplier(optimizer.lr_scaling, header["hvdp"]["world_size"],
+                                      backward_passes_per_step=optimizer.backward_passes_per_step)
+            _rescale_learning_rate(optimizer.inner_optimizer, saved, optimizer.multiplier)
     mine = payload["local"].get(hvd.rank())
     local_vars = _local_variables(model, optimizer)
     if same_world and mine is not None and [a.shape for a in mine] == [tuple(v.shape) for v in local_vars]:

@@ -27,6 +27,7 @@ import io
 import math
 import os
 import random
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -39,7 +40,7 @@ from hvdp import _horovod
 from hvdp.core import checkpoint as ckpt
 from hvdp.core import consistency
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
-from hvdp.core.scaling import lr_multiplier, warmup_factor
+from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
 from hvdp.core.sharding import ShardPlan, eval_bounds
 from hvdp.core.watchdog import WAITING
 from hvdp.core.world import World, elastic, threads_per_rank
@@ -157,10 +158,12 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     multiplier = lr_multiplier(lr_scaling, hvd.size(), backward_passes_per_step=backward_passes_per_step, op=op)
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * multiplier
-    if backward_passes_per_step > 1:
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_hook(lambda g, k=backward_passes_per_step: g / k)
+    # A model prepared again (a new optimizer, a new k) must not keep the old ÷k hooks: they would compound.
+    for handle in getattr(model, "_hvdp_accumulation_hooks", ()):
+        handle.remove()
+    model._hvdp_accumulation_hooks = [
+        p.register_hook(lambda g, k=backward_passes_per_step: g / k)
+        for p in model.parameters() if p.requires_grad] if backward_passes_per_step > 1 else []
     dist = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), compression=_COMPRESSIONS[compression],
         op=_OPS[op], backward_passes_per_step=backward_passes_per_step)
@@ -170,9 +173,19 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     schedule = _Schedule(multiplier=multiplier, warmup_steps=warmup_steps, rule=lr_scaling,
                          passes=backward_passes_per_step, op=op)
     dist.hvdp_schedule = schedule
+    dist.zero_grad = types.MethodType(_zero_grad, dist)
     dist.register_step_pre_hook(_pre_step_hook)
     dist.register_step_post_hook(_post_step_hook)
     return dist
+
+
+def _zero_grad(optimizer, set_to_none: bool = True):
+    # Horovod's zero_grad() takes no arguments (horovod#4026), so `zero_grad(set_to_none=True)` raised
+    # TypeError. Keep its race guard and pass the argument on to torch's Optimizer.zero_grad.
+    if optimizer._handles:
+        raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                             "or optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+    return torch.optim.Optimizer.zero_grad(optimizer, set_to_none=set_to_none)
 
 
 def _pre_step_hook(optimizer, args, kwargs):
@@ -633,12 +646,17 @@ class ElasticState(ObjectState):
             root_rank=0, name="hvdp.elastic.sync")
         self.optimizer.load_state_dict(opt_state)
         s.multiplier = lr_multiplier(s.rule, hvd.size(), backward_passes_per_step=s.passes, op=s.op)
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["lr"] / multiplier * s.multiplier
+        _rescale_groups(self.optimizer, multiplier, s.multiplier)
         s.step = step
         self.sampler.resume(*position)
         super().sync()
         self._snapshot = self._take()  # what a failure before the next commit rolls back to
+
+
+def _rescale_groups(optimizer: torch.optim.Optimizer, old_multiplier: float, new_multiplier: float) -> None:
+    # A restored param group holds base x the multiplier of the world it was saved in; this world's differs.
+    for group in optimizer.param_groups:
+        group["lr"] = rescale_lr(group["lr"], old_multiplier, new_multiplier)
 
 
 def elastic_run(train: Callable) -> Callable:
@@ -707,7 +725,8 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "position": {"epoch": int(epoch), "step": int(step),
-                     "optimizer_steps": schedule.step if schedule else 0},
+                     "optimizer_steps": schedule.step if schedule else 0,
+                     "lr_multiplier": schedule.multiplier if schedule else 1.0},
         "rng": rng,
         "extra": extra,
     }
@@ -752,6 +771,13 @@ def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimi
     schedule = getattr(optimizer, "hvdp_schedule", None)
     if schedule is not None:
         schedule.step = position["optimizer_steps"]
+        # The restored rates are base x the saved world's multiplier (older files lack it: recompute it
+        # from the saved world size with this job's rule); make them base x this world's.
+        saved = position.get("lr_multiplier")
+        if saved is None:
+            saved = lr_multiplier(schedule.rule, payload["hvdp"]["world_size"],
+                                  backward_passes_per_step=schedule.passes, op=schedule.op)
+        _rescale_groups(optimizer, saved, schedule.multiplier)
     if payload["hvdp"]["world_size"] == hvd.size():
         _set_rng_state(payload["rng"][hvd.rank()])
     if loader is not None:

@@ -8,6 +8,9 @@ The base learning rate is the one tuned for batch b on one process; the rule mul
     none    lr = base
 
 Adasum combines gradients so that no rescaling is needed: its multiplier is 1 whatever the rule.
+op="sum" all-reduces the sum of the N ranks' gradients, already N times their average, so the rule's
+factor is divided by N: linear gives k (not N*k, which would be N^2 times the intended step), sqrt gives
+sqrt(N*k)/N. lr_scaling="none" leaves the rate as given whatever the op.
 Warmup ramps linearly from the base rate to the scaled one over `warmup_steps` optimizer steps.
 """
 
@@ -27,11 +30,12 @@ def lr_multiplier(rule: str, size: int, *, backward_passes_per_step: int = 1, op
         rule: "linear" (x size*k), "sqrt" (x sqrt(size*k)) or "none" (x 1); see LR_RULES.
         size: the number of ranks, >= 1.
         backward_passes_per_step: k, the backward passes accumulated per optimizer step, >= 1 (default 1).
-        op: the gradient reduction; "adasum" needs no rescaling, so its multiplier is 1 whatever the rule.
-            Any other value (default "average") applies the rule.
+        op: the gradient reduction. "average" (default) applies the rule; "sum" divides the rule's factor
+            by `size`, because the summed gradient is already `size` times the average; "adasum" needs no
+            rescaling, so its multiplier is 1 whatever the rule.
 
     Returns:
-        The multiplier, a float >= 1.
+        The multiplier, a float > 0 (>= 1 unless op is "sum").
 
     Raises:
         ConfigError: `rule` is not one of LR_RULES, or `size` or `backward_passes_per_step` is < 1.
@@ -44,7 +48,8 @@ def lr_multiplier(rule: str, size: int, *, backward_passes_per_step: int = 1, op
     if op == "adasum" or rule == "none":
         return 1.0
     batches = size * backward_passes_per_step
-    return float(batches) if rule == "linear" else math.sqrt(batches)
+    factor = float(batches) if rule == "linear" else math.sqrt(batches)
+    return factor / size if op == "sum" else factor
 
 
 def warmup_factor(step: int, warmup_steps: int, multiplier: float) -> float:
@@ -87,4 +92,26 @@ def scaled_lr(base_lr: float, step: int, *, multiplier: float, warmup_steps: int
     return base_lr * multiplier * warmup_factor(step, warmup_steps, multiplier)
 
 
-__all__ = ["LR_RULES", "lr_multiplier", "warmup_factor", "scaled_lr"]
+def rescale_lr(lr: float, old_multiplier: float, new_multiplier: float) -> float:
+    """A rate scaled by `old_multiplier` (another world size) rescaled to `new_multiplier`: base x new.
+
+    What a checkpoint resumed, or an elastic job re-formed, at another world size must do to the rate it
+    restores: the saved rate is base x old_multiplier, and the job now runs with new_multiplier.
+
+    Args:
+        lr: the restored rate, base x `old_multiplier`.
+        old_multiplier: the `lr_multiplier` of the world the rate was scaled for.
+        new_multiplier: the `lr_multiplier` of this world.
+
+    Returns:
+        base x `new_multiplier`.
+
+    Raises:
+        ConfigError: if either multiplier is not > 0.
+    """
+    if old_multiplier <= 0 or new_multiplier <= 0:
+        raise ConfigError(f"LR multipliers must be > 0, got {old_multiplier} and {new_multiplier}")
+    return lr / old_multiplier * new_multiplier
+
+
+__all__ = ["LR_RULES", "lr_multiplier", "warmup_factor", "scaled_lr", "rescale_lr"]

@@ -9,6 +9,12 @@ silent for `timeout` seconds (stopped, frozen, host gone), or this rank has wait
 `timeout` seconds while a live peer is elsewhere, the watchdog prints which rank, at which step and in
 which phase, and ends this process with exit code 70 so that the launcher tears the job down.
 
+Every heartbeat is authenticated: a 32-byte HMAC-SHA256 tag, keyed with a secret the job agreed on at init
+(through Horovod, not over UDP), followed by the JSON body, which carries a per-sender sequence number so
+that a recorded packet cannot be replayed. A packet that is malformed, unsigned, signed with another job's
+secret, replayed or inconsistent is ignored and counted (`Watchdog.rejected`); no packet can stop the
+watching of a rank or end the thread.
+
 Framework-free (stdlib only); init() starts it for jobs of 2+ ranks (not in elastic mode, not with
 HVDP_WATCHDOG=0). The PyTorch adapter reports progress around each optimizer step with
 `progress(step, phase)`; the TensorFlow and Keras adapters report none, so there only silent peers are
@@ -17,6 +23,8 @@ caught.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import socket
@@ -32,6 +40,8 @@ EXIT_CODE = 70
 DEFAULT_TIMEOUT = 60.0
 WAITING = "waiting for the gradient all-reduce"
 EXITED = "exited"
+TAG_SIZE = 32  # HMAC-SHA256 digest
+MAX_PACKET = 4096
 
 
 @dataclass(slots=True)
@@ -39,6 +49,7 @@ class PeerState:
     step: int = -1
     phase: str = "starting"
     heard: float = field(default_factory=time.monotonic)
+    seq: int = -1
 
 
 def settings(environ=None) -> tuple[bool, float]:
@@ -83,17 +94,27 @@ class Watchdog:
             and this rank's own entry is not used.
         sock: the bound UDP socket (open_socket) whose port the peers were given; the watchdog closes it
             in stop().
+        secret: the job's heartbeat key (bytes, at least 16; every rank the same): every packet sent is
+            signed with it, and a packet not signed with it is ignored and counted in `rejected`.
         timeout: seconds of silence from a peer, or of this rank waiting in a collective while a live peer
             is elsewhere, before the job is ended (default DEFAULT_TIMEOUT, 60).
         interval: seconds between heartbeats (default: 1, or timeout / 5 when that is shorter).
         on_hang: called once with the message when diagnose() finds a problem; the default prints it to
             stderr and ends the process with EXIT_CODE (70). The thread stops after calling it.
+
+    Raises:
+        ValueError: `secret` is not bytes of at least 16 (a programming error: init() makes it).
     """
 
     def __init__(self, rank: int, peers: list[list[tuple[str, int]]], sock: socket.socket, *,
-                 timeout: float = DEFAULT_TIMEOUT, interval: float | None = None,
+                 secret: bytes, timeout: float = DEFAULT_TIMEOUT, interval: float | None = None,
                  on_hang: Callable[[str], None] | None = None):
+        if not isinstance(secret, bytes) or len(secret) < 16:
+            raise ValueError("Watchdog needs the job's heartbeat secret as bytes (at least 16)")
         self.rank, self.peers, self.sock, self.timeout = rank, peers, sock, timeout
+        self._secret = secret
+        self._seq = 0
+        self.rejected = 0  # packets ignored: malformed, unauthenticated, foreign or replayed
         self.interval = interval if interval is not None else min(1.0, timeout / 5)
         self.on_hang = on_hang or _abort
         self.step, self.phase, self.since = 0, "starting", time.monotonic()
@@ -134,22 +155,49 @@ class Watchdog:
                 self._send()
                 last_sent = now
             try:
-                data, _ = self.sock.recvfrom(4096)
-                msg = json.loads(data)
-                peer = self.state.get(msg["rank"])
-                if msg["phase"] == EXITED:
-                    self.state.pop(msg["rank"], None)  # left on purpose: nothing to watch
-                elif peer is not None:
-                    peer.step, peer.phase, peer.heard = msg["step"], msg["phase"], time.monotonic()
-            except (socket.timeout, ValueError, KeyError, OSError):
-                pass
+                data, _ = self.sock.recvfrom(MAX_PACKET)
+            except (socket.timeout, OSError):
+                data = None
+            if data is not None:
+                try:
+                    accepted = self._accept(data)
+                except Exception:  # untrusted input never ends the thread
+                    accepted = False
+                if not accepted:
+                    self.rejected += 1
             problem = self.diagnose(time.monotonic())
             if problem:
                 self.on_hang(problem)
                 return
 
+    def _accept(self, data: bytes) -> bool:
+        """Apply one received packet; False (and no effect) unless it is a valid, fresh heartbeat of this job."""
+        if len(data) <= TAG_SIZE:
+            return False
+        tag, body = data[:TAG_SIZE], data[TAG_SIZE:]
+        if not hmac.compare_digest(tag, hmac.new(self._secret, body, hashlib.sha256).digest()):
+            return False
+        msg = json.loads(body)
+        if not isinstance(msg, dict):
+            return False
+        rank, step, phase, seq = msg.get("rank"), msg.get("step"), msg.get("phase"), msg.get("seq")
+        if not all(type(v) is int for v in (rank, step, seq)) or not isinstance(phase, str):
+            return False
+        peer = self.state.get(rank)
+        if peer is None:
+            return rank != self.rank and 0 <= rank < len(self.peers)  # a rank that already left: harmless
+        if seq <= peer.seq:
+            return False  # replayed or reordered
+        if phase == EXITED:
+            del self.state[rank]  # left on purpose: nothing to watch
+        else:
+            peer.step, peer.phase, peer.heard, peer.seq = step, phase, time.monotonic(), seq
+        return True
+
     def _send(self) -> None:
-        msg = json.dumps({"rank": self.rank, "step": self.step, "phase": self.phase}).encode()
+        self._seq += 1
+        body = json.dumps({"rank": self.rank, "step": self.step, "phase": self.phase, "seq": self._seq}).encode()
+        msg = hmac.new(self._secret, body, hashlib.sha256).digest() + body
         for r, addresses in enumerate(self.peers):
             if r != self.rank:
                 for address in addresses:
@@ -170,6 +218,9 @@ class Watchdog:
         """
         silent = sorted(r for r, p in self.state.items() if now - p.heard > self.timeout)
         me = f"rank {self.rank} is at step {self.step}, {self.phase} for {now - self.since:.0f} s"
+        if self.rejected:
+            me += (f" ({self.rejected} heartbeat packet(s) were ignored as malformed, unauthenticated or from "
+                   f"another job)")
         if silent:
             who = "; ".join(f"rank {r} (last heard {now - self.state[r].heard:.0f} s ago at step "
                             f"{self.state[r].step}, {self.state[r].phase})" for r in silent)

@@ -46,3 +46,23 @@ def test_scaled_lr_values():
 def test_warmup_rejects_negative():
     with pytest.raises(ConfigError):
         warmup_factor(-1, 10, 2.0)
+
+
+@pytest.mark.parametrize("rule, size, k, expected", [
+    ("linear", 1, 1, 1.0), ("linear", 4, 1, 1.0), ("linear", 4, 2, 2.0), ("linear", 2, 3, 3.0),
+    ("sqrt", 4, 1, 0.5), ("sqrt", 4, 4, 1.0), ("none", 4, 2, 1.0)])
+def test_lr_multiplier_sum_counts_the_sum_once(rule, size, k, expected):
+    # op="sum" already makes the gradient N times the average; the rule must not multiply by N again (issue 14)
+    got = lr_multiplier(rule, size, backward_passes_per_step=k, op="sum")
+    assert got == pytest.approx(expected)
+    average = lr_multiplier(rule, size, backward_passes_per_step=k, op="average")
+    if rule != "none":
+        assert got * size == pytest.approx(average)  # same step: sum-gradient * got == average-gradient * average
+
+
+@pytest.mark.parametrize("old,new", [(2, 1), (1, 2), (4, 3)])
+def test_rescale_lr_gives_base_times_the_new_multiplier(old, new):
+    from hvdp.core.scaling import rescale_lr
+    saved = 0.05 * lr_multiplier("linear", old)
+    assert rescale_lr(saved, lr_multiplier("linear", old), lr_multiplier("linear", new)) == pytest.approx(
+        0.05 * lr_multiplier("linear", new))

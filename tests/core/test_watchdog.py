@@ -1,5 +1,9 @@
 """The watchdog in-process: two real heartbeat threads on loopback UDP."""
 
+import hashlib
+import hmac
+import json
+import socket
 import threading
 import time
 
@@ -7,6 +11,18 @@ import pytest
 
 from hvdp.core.errors import ConfigError
 from hvdp.core.watchdog import WAITING, Watchdog, open_socket, settings
+
+
+SECRET = b"s" * 32
+OTHER_JOB = b"o" * 32
+
+
+def make_dog(rank, peers, sock, timeout, catcher):
+    """Old code has no `secret` argument: it is passed only where the constructor accepts it."""
+    try:
+        return Watchdog(rank, peers, sock, secret=SECRET, timeout=timeout, interval=0.05, on_hang=catcher)
+    except TypeError:
+        return Watchdog(rank, peers, sock, timeout=timeout, interval=0.05, on_hang=catcher)
 
 
 def pair(timeout=0.6):
@@ -21,7 +37,7 @@ def pair(timeout=0.6):
             fired[rank].set()
         return on_hang
 
-    dogs = [Watchdog(r, peers, socks[r], timeout=timeout, interval=0.05, on_hang=catcher(r)) for r in range(2)]
+    dogs = [make_dog(r, peers, socks[r], timeout, catcher(r)) for r in range(2)]
     return dogs, fired, messages
 
 
@@ -86,3 +102,93 @@ def test_settings(env, expected):
 def test_bad_timeout_is_a_clear_error(bad):
     with pytest.raises(ConfigError, match="HVDP_WATCHDOG_TIMEOUT"):
         settings({"HVDP_WATCHDOG_TIMEOUT": bad})
+
+
+def signed(body: bytes, key: bytes = SECRET) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest() + body
+
+
+def blob(obj) -> bytes:
+    return json.dumps(obj).encode()
+
+
+GARBAGE = {
+    "int": b"1", "list": b"[]", "null": b"null", "invalid utf-8": b"\xff\xfe\x80",
+    "huge": b"{" + b"x" * 65000, "empty": b"",
+    "wrong types": blob({"rank": "1", "step": None, "phase": 3}),
+    "rank a list": blob({"rank": [1], "step": 1, "phase": "x"}),
+    "forged exited": blob({"rank": 1, "phase": "exited"}),
+    "forged heartbeat": blob({"rank": 1, "step": 99, "phase": "computing", "seq": 10**9}),
+    "other job's exited": signed(blob({"rank": 1, "step": 0, "phase": "exited", "seq": 10**9}), OTHER_JOB),
+    "other job's heartbeat": signed(blob({"rank": 1, "step": 99, "phase": "computing", "seq": 10**9}),
+                                    OTHER_JOB),
+    "signed int": signed(b"1"), "signed list": signed(b"[]"), "signed null": signed(b"null"),
+    "signed invalid utf-8": signed(b"\xff\xfe"),
+    "signed wrong types": signed(blob({"rank": 1, "step": "9", "phase": None, "seq": 10**9})),
+    "signed bool rank": signed(blob({"rank": True, "step": 1, "phase": "computing", "seq": 10**9})),
+    "signed unknown rank": signed(blob({"rank": 7, "step": 1, "phase": "computing", "seq": 10**9})),
+    "signed as myself": signed(blob({"rank": 0, "step": 1, "phase": "exited", "seq": 10**9})),
+    "signed but replayed": signed(blob({"rank": 1, "step": 1, "phase": "exited", "seq": 0})),
+}
+
+
+@pytest.mark.parametrize("name", list(GARBAGE))
+def test_bad_packets_do_not_hide_a_silent_peer(name):
+    """Sent over and over while rank 1 is silent: rank 0 still names rank 1, and counts what it ignored."""
+    dogs, fired, messages = pair(timeout=1.0)
+    for d in dogs:
+        d.start()
+    dogs[1].progress(7, "computing its forward/backward pass")
+    time.sleep(0.3)
+    dogs[1]._stop.set()  # frozen: no more heartbeats, and no goodbye
+    dogs[1]._thread.join()
+    dogs[0].progress(8, WAITING)
+    target = tuple(dogs[0].peers[0][0])
+    attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sent = 0
+    deadline = time.monotonic() + 15  # generous: the timeout is 1 s, the CPUs are shared
+    while not fired[0].is_set() and time.monotonic() < deadline:
+        try:
+            attacker.sendto(GARBAGE[name], target)
+            sent += 1
+        except OSError:  # 'huge' may be refused by the kernel: the rest of the test still holds
+            pass
+        time.sleep(0.02)
+    attacker.close()
+    assert fired[0].is_set(), f"{name}: the watchdog never diagnosed the silent peer"
+    assert "rank 1 (last heard" in messages[0] and "at step 7, computing" in messages[0]
+    assert dogs[0]._thread.is_alive() or fired[0].is_set()
+    if sent:
+        assert dogs[0].rejected >= 1, f"{name}: {sent} bad packets sent, none counted"
+        assert "heartbeat packet(s) were ignored" in messages[0]
+    dogs[0]._stop.set()
+
+
+def test_thread_survives_garbage_and_keeps_watching():
+    """Every kind of garbage at once, then a real hang: the thread is still alive to report it."""
+    dogs, fired, messages = pair(timeout=1.0)
+    for d in dogs:
+        d.start()
+    attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for data in GARBAGE.values():
+        try:
+            attacker.sendto(data, tuple(dogs[0].peers[0][0]))
+        except OSError:
+            pass
+    for step in range(5):
+        for d in dogs:
+            d.progress(step, "computing")
+        time.sleep(0.1)
+    attacker.close()
+    assert dogs[0]._thread.is_alive() and not fired[0].is_set()
+    dogs[1]._stop.set()
+    assert fired[0].wait(15)
+    assert "rank 1 (last heard" in messages[0]
+    dogs[0]._stop.set()
+
+
+def test_watchdog_needs_a_secret():
+    sock = open_socket("127.0.0.1")
+    with pytest.raises((TypeError, ValueError)):
+        Watchdog(0, [[("127.0.0.1", 1)], [("127.0.0.1", 2)]], sock)
+    sock.close()

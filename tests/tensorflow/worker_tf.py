@@ -139,6 +139,36 @@ def fit_with_jit_compile_true_still_averages(tmp):
 
 
 @check
+def hand_wrapped_loss_scale_optimizer_keeps_the_scaled_lr(tmp):
+    # The wrapper's own rate variable is a 0.0 placeholder: scaling it trained nothing.
+    opt = hk.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)))
+    assert float(opt.learning_rate.numpy()) == pytest_approx(0.05 * world.size), float(opt.learning_rate.numpy())
+
+
+def pytest_approx(x, rel=1e-6):
+    import pytest
+    return pytest.approx(x, rel=rel)
+
+
+@check
+def fit_learns_under_mixed_precision(tmp):
+    for policy in ("mixed_float16", "mixed_bfloat16"):
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            model = _model(seed=world.rank, dropout=0.0)
+            hist = _fit(model, epochs=4, optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)))
+            losses = hist.history["loss"]
+            assert losses[-1] < losses[0], (policy, losses)
+            assert float(model.optimizer.learning_rate.numpy()) == pytest_approx(0.05 * world.size), policy
+            if policy == "mixed_float16":  # loss scaling sits inside the averaging optimizer
+                assert isinstance(model.optimizer, hk.DistributedOptimizer), type(model.optimizer)
+                assert isinstance(model.optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer)
+            htf.check_consistency(model)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+
+
+@check
 def progress_bar_on_rank_0_only_and_model_save_round_trips(tmp):
     import contextlib
     import io
