@@ -75,7 +75,8 @@ def init(*, timeline: str | None = None) -> World:
 
     Raises:
         SetupError: launched by mpirun or horovodrun's MPI mode, but Horovod was built without MPI.
-        ConfigError: a malformed HVDP_SHM_* or HVDP_WATCHDOG_TIMEOUT environment variable.
+        ConfigError: a malformed HVDP_SHM_* or HVDP_WATCHDOG_TIMEOUT environment variable, or Keras runs
+            on a backend other than TensorFlow (KERAS_BACKEND), on every rank.
     """
     w = _horovod.init("tensorflow", timeline)[1]
     _check_keras_backend(w.rank)
