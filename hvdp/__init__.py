@@ -16,6 +16,7 @@ from hvdp.core.errors import (
     ConfigError,
     DivergenceError,
     HvdpError,
+    NonFiniteLossError,
     SetupError,
 )
 from hvdp.core.world import World
@@ -27,6 +28,7 @@ __all__ = [
     "ConfigError",
     "DivergenceError",
     "HvdpError",
+    "NonFiniteLossError",
     "SetupError",
     "TrainConfig",
     "World",

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdp import tensorflow as _tf
+from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import ConfigError, HvdpError
 from hvdp.core.world import World
 from hvdp.tensorflow import (  # noqa: F401  (the shared implementation, re-exported)
@@ -140,8 +141,7 @@ class DistributedCallback(keras.callbacks.Callback):
         super().__init__()
         if data is not None:
             _tf._position(data)  # fail now, not after the first epoch, if it is not a shard
-        if not isinstance(keep, int) or keep < 1:
-            raise ConfigError(f"keep must be an integer >= 1, got {keep!r}")
+        ckpt.check_keep(keep)
         self.data = data
         self.checkpoint_dir = checkpoint_dir
         self.keep = keep

@@ -796,8 +796,10 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
         The path on rank 0, None elsewhere. An error writing the file is raised on rank 0 only.
 
     Raises:
-        ConfigError: `extra` holds a value that is not JSON (before any collective).
+        ConfigError: `extra` holds a value that is not JSON, or `keep` is not an integer >= 1 (before any
+            collective, on every rank).
     """
+    ckpt.check_keep(keep)
     try:
         json.dumps(extra)
     except TypeError as e:

@@ -713,7 +713,11 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
 
     Returns:
         The path on rank 0, None elsewhere. An error writing the file is raised on rank 0 only.
+
+    Raises:
+        ConfigError: `keep` is not an integer >= 1 (on every rank, before any collective).
     """
+    ckpt.check_keep(keep)
     rng = hvd.allgather_object(_rng_state(), name="hvdp.rng")  # every rank's RNG, so a resumed run continues exactly
     if hvd.rank() != 0:
         hvd.barrier()

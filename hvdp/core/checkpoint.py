@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from hvdp.core.errors import CheckpointError
+from hvdp.core.errors import CheckpointError, ConfigError
 
 FORMAT = "hvdp-checkpoint/1"
 _NAME = re.compile(r"^ckpt-(\d{8})\.(pt|npz)$")
@@ -162,5 +162,22 @@ def check_meta(meta: Any, path: Path, *, framework: str, model_fingerprint: str)
     return meta
 
 
+def check_keep(keep: Any) -> int:
+    """Refuse a retention count that would delete the checkpoint just written.
+
+    Args:
+        keep: how many checkpoints to keep.
+
+    Returns:
+        `keep`, an integer >= 1.
+
+    Raises:
+        ConfigError: `keep` is not an integer >= 1 (prune(directory, 0) deletes every checkpoint).
+    """
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ConfigError(f"keep must be an integer >= 1 (the checkpoint just written counts), got {keep!r}")
+    return keep
+
+
 __all__ = ["FORMAT", "checkpoint_name", "list_checkpoints", "latest_checkpoint", "write_atomic", "prune",
-           "fingerprint", "make_meta", "check_meta"]
+           "check_keep", "fingerprint", "make_meta", "check_meta"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import socket
 import sys
@@ -61,7 +62,7 @@ def settings(environ=None) -> tuple[bool, float]:
             seconds (default DEFAULT_TIMEOUT, 60).
 
     Raises:
-        ConfigError: HVDP_WATCHDOG_TIMEOUT is not a number, or is <= 0.
+        ConfigError: HVDP_WATCHDOG_TIMEOUT is not a number, or is <= 0, inf or nan.
     """
     env = os.environ if environ is None else environ
     enabled = env.get("HVDP_WATCHDOG", "1") not in ("0", "false", "off")
@@ -69,8 +70,8 @@ def settings(environ=None) -> tuple[bool, float]:
         timeout = float(env.get("HVDP_WATCHDOG_TIMEOUT", DEFAULT_TIMEOUT))
     except ValueError:
         raise ConfigError(f"HVDP_WATCHDOG_TIMEOUT must be a number of seconds, got {env['HVDP_WATCHDOG_TIMEOUT']!r}")
-    if timeout <= 0:
-        raise ConfigError(f"HVDP_WATCHDOG_TIMEOUT must be > 0, got {timeout}")
+    if not 0 < timeout < math.inf:  # also refuses nan, which compares false to everything
+        raise ConfigError(f"HVDP_WATCHDOG_TIMEOUT must be a finite number of seconds > 0, got {timeout}")
     return enabled, timeout
 
 

@@ -3,7 +3,7 @@ import os
 import pytest
 
 from hvdp.core import checkpoint as ckpt
-from hvdp.core.errors import CheckpointError
+from hvdp.core.errors import CheckpointError, ConfigError
 
 
 def test_atomic_write_and_listing(tmp_path):
@@ -53,3 +53,11 @@ def test_meta_check_refuses_foreign(tmp_path):
         ckpt.check_meta(meta, p, framework="keras", model_fingerprint=fp)
     with pytest.raises(CheckpointError, match="different model"):
         ckpt.check_meta(meta, p, framework="torch", model_fingerprint="0" * 16)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "3", None])
+def test_keep_must_leave_the_new_checkpoint(bad):
+    # prune(directory, 0) deletes every checkpoint, the one just written included: refused before saving.
+    with pytest.raises(ConfigError, match="keep must be an integer >= 1"):
+        ckpt.check_keep(bad)
+    assert ckpt.check_keep(1) == 1

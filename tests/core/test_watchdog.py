@@ -98,7 +98,7 @@ def test_settings(env, expected):
     assert settings(env) == expected
 
 
-@pytest.mark.parametrize("bad", ["soon", "0", "-3"])
+@pytest.mark.parametrize("bad", ["soon", "0", "-3", "nan", "inf"])
 def test_bad_timeout_is_a_clear_error(bad):
     with pytest.raises(ConfigError, match="HVDP_WATCHDOG_TIMEOUT"):
         settings({"HVDP_WATCHDOG_TIMEOUT": bad})
