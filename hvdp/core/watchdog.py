@@ -171,12 +171,16 @@ class Watchdog:
                 self.on_hang(problem)
                 return
 
+    def _sign(self, body: bytes) -> bytes:
+        """The TAG_SIZE-byte tag a heartbeat carries: HMAC-SHA256 of its body under the job's secret."""
+        return hmac.new(self._secret, body, hashlib.sha256).digest()
+
     def _accept(self, data: bytes) -> bool:
         """Apply one received packet; False (and no effect) unless it is a valid, fresh heartbeat of this job."""
         if len(data) <= TAG_SIZE:
             return False
         tag, body = data[:TAG_SIZE], data[TAG_SIZE:]
-        if not hmac.compare_digest(tag, hmac.new(self._secret, body, hashlib.sha256).digest()):
+        if not hmac.compare_digest(tag, self._sign(body)):
             return False
         msg = json.loads(body)
         if not isinstance(msg, dict):
@@ -198,7 +202,7 @@ class Watchdog:
     def _send(self) -> None:
         self._seq += 1
         body = json.dumps({"rank": self.rank, "step": self.step, "phase": self.phase, "seq": self._seq}).encode()
-        msg = hmac.new(self._secret, body, hashlib.sha256).digest() + body
+        msg = self._sign(body) + body
         for r, addresses in enumerate(self.peers):
             if r != self.rank:
                 for address in addresses:
