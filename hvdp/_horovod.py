@@ -11,6 +11,7 @@ import secrets
 import socket
 
 from hvdp.core import checkpoint as ckpt
+from hvdp.core.cpus import cpu_share, threads_per_rank
 from hvdp.core.errors import CheckpointError, SetupError
 from hvdp.core.tuning import apply_runtime_defaults, check_shm_settings
 from hvdp.core.watchdog import Watchdog, open_socket
@@ -51,7 +52,28 @@ def init(framework: str, timeline: str | None = None):
         hvd.start_timeline(timeline, mark_cycles=False)
     world = World.from_horovod(hvd)
     _start_watchdog(hvd, world)
+    global _threads
+    _threads = _thread_share(hvd, world)
     return hvd, world
+
+
+_threads = 1
+
+
+def threads() -> int:
+    """Intra-op threads for this rank, decided at init() from what every rank on its host may use."""
+    return _threads
+
+
+def _thread_share(hvd, world: World) -> int:
+    # Collective (every rank calls init): each rank's affinity and cgroup quota, so that ranks bound to
+    # disjoint cores keep theirs and ranks sharing cores or a quota split them (hvdp.core.cpus).
+    mine = cpu_share()
+    if world.size == 1:
+        return threads_per_rank(mine, [mine])
+    host = socket.gethostname()
+    everyone = hvd.allgather_object((host, mine), name="hvdp.cpus")
+    return threads_per_rank(mine, [share for h, share in everyone if h == host])
 
 
 _watchdog: Watchdog | None = None
@@ -70,7 +92,7 @@ def _start_watchdog(hvd, world: World) -> None:
     HVDP_WATCHDOG_IFACE / HOROVOD_GLOO_IFACE when set (the interface the job runs on), else on all.
     """
     global _watchdog
-    enabled, timeout = watchdog_settings()
+    enabled, timeout, elsewhere_timeout = watchdog_settings()
     if _watchdog is not None or not enabled or world.size == 1 or elastic():
         return  # an elastic job expects to lose ranks: Horovod's elastic driver handles that, not the watchdog
     if world.local_size == world.size:
@@ -85,7 +107,8 @@ def _start_watchdog(hvd, world: World) -> None:
     # other hvdp job on the host) can forge or confuse them.
     secret = hvd.broadcast_object(secrets.token_bytes(32) if world.rank == 0 else None, root_rank=0,
                                   name="hvdp.watchdog.secret")
-    _watchdog = Watchdog(world.rank, peers, sock, secret=secret, timeout=timeout).start()
+    _watchdog = Watchdog(world.rank, peers, sock, secret=secret, timeout=timeout,
+                         elsewhere_timeout=elsewhere_timeout).start()
     atexit.register(_watchdog.stop)
 
 

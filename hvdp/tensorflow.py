@@ -48,7 +48,7 @@ from hvdp.core import consistency
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
 from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
 from hvdp.core.sharding import ShardPlan, eval_bounds
-from hvdp.core.world import World, threads_per_rank
+from hvdp.core.world import World
 
 hvd = _horovod.import_horovod("tensorflow")
 
@@ -59,10 +59,11 @@ FRAMEWORK = "tensorflow"  # the checkpoint tag: hvdp.tensorflow and hvdp.keras w
 def init(*, timeline: str | None = None) -> World:
     """Initialise Horovod (horovodrun, mpirun, or plain python as size 1) and return this process's World.
 
-    Every rank must call it (Horovod's init and the watchdog's address exchange are collective); a second
+    Every rank must call it (Horovod's init, the watchdog's address exchange and the CPU count are collective); a second
     call returns the World again. Before Horovod starts, hvdp's runtime defaults (hvdp.core.tuning) are set
     where the environment lacks them, and for 2+ ranks the watchdog starts (unless HVDP_WATCHDOG=0 or
-    elastic mode). Unless OMP_NUM_THREADS is set, each rank gets an equal share of the host's cores for
+    elastic mode). Unless OMP_NUM_THREADS is set, each rank gets an equal share of the CPUs it may use (its
+    affinity and cgroup quota, split among the ranks on its host that share them; hvdp.core.cpus) for
     TensorFlow's thread pools (TensorFlow would otherwise start one thread per core in every rank); if an
     op already ran, TensorFlow's pools are kept as they are.
 
@@ -81,7 +82,7 @@ def init(*, timeline: str | None = None) -> World:
     w = _horovod.init("tensorflow", timeline)[1]
     _check_keras_backend(w.rank)
     if "OMP_NUM_THREADS" not in os.environ:
-        threads = threads_per_rank(os.cpu_count() or 1, w.local_size)
+        threads = _horovod.threads()
         try:
             tf.config.threading.set_intra_op_parallelism_threads(threads)
             tf.config.threading.set_inter_op_parallelism_threads(threads)

@@ -43,7 +43,7 @@ from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, Hvdp
 from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
 from hvdp.core.sharding import ShardPlan, eval_bounds
 from hvdp.core.watchdog import WAITING
-from hvdp.core.world import World, elastic, threads_per_rank
+from hvdp.core.world import World, elastic
 
 COMPUTING = "computing its forward/backward pass"
 
@@ -57,10 +57,11 @@ _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 def init(*, timeline: str | None = None) -> World:
     """Initialise Horovod (horovodrun, mpirun, or plain python as size 1) and return this process's World.
 
-    Every rank must call it (Horovod's init and the watchdog's address exchange are collective); a second
+    Every rank must call it (Horovod's init, the watchdog's address exchange and the CPU count are collective); a second
     call returns the World again. Before Horovod starts, hvdp's runtime defaults (hvdp.core.tuning) are set
     where the environment lacks them, and for 2+ ranks the watchdog starts (unless HVDP_WATCHDOG=0 or
-    elastic mode). Unless OMP_NUM_THREADS is set, each rank gets an equal share of the host's cores for
+    elastic mode). Unless OMP_NUM_THREADS is set, each rank gets an equal share of the CPUs it may use (its
+    affinity and cgroup quota, split among the ranks on its host that share them; hvdp.core.cpus) for
     torch's intra-op threads (torch would otherwise start one thread per core in every rank).
 
     Args:
@@ -76,7 +77,7 @@ def init(*, timeline: str | None = None) -> World:
     """
     w = _horovod.init("torch", timeline)[1]
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(threads_per_rank(os.cpu_count() or 1, w.local_size))
+        torch.set_num_threads(_horovod.threads())
     return w
 
 

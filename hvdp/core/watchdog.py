@@ -4,10 +4,16 @@ rank: its coordinator is itself blocked in MPI).
 
 Each rank runs one daemon thread that sends a small UDP heartbeat (rank, step, phase) to every peer once
 per `interval` seconds and listens for theirs. The thread does not need the GIL for long nor any
-collective, so it keeps running while the main thread is blocked in MPI or Gloo. When a peer has been
-silent for `timeout` seconds (stopped, frozen, host gone), or this rank has waited in a collective for
-`timeout` seconds while a live peer is elsewhere, the watchdog prints which rank, at which step and in
-which phase, and ends this process with exit code 70 so that the launcher tears the job down.
+collective, so it keeps running while the main thread is blocked in MPI or Gloo. Two cases, two limits:
+
+- a peer silent for `timeout` seconds (default 60: stopped, frozen, its host or network gone) ends the job;
+- this rank waiting in the gradient all-reduce while a live peer is elsewhere (rank 0 evaluating, writing a
+  large checkpoint to a slow filesystem, logging) is normal for a while: after min(`timeout`,
+  `elsewhere_timeout` / 2) the watchdog warns once, naming the peer, its step and phase; only after
+  `elsewhere_timeout` seconds (default 1800, like the NCCL watchdogs' 10-30 minutes) does it end the job.
+
+Ending the job means printing which rank, at which step and in which phase, and exiting this process with
+code 70 so that the launcher tears the job down.
 
 Every heartbeat is authenticated: a 32-byte HMAC-SHA256 tag, keyed with a secret the job agreed on at init
 (through Horovod, not over UDP), followed by the JSON body, which carries a per-sender sequence number so
@@ -39,6 +45,7 @@ from hvdp.core.errors import ConfigError
 
 EXIT_CODE = 70
 DEFAULT_TIMEOUT = 60.0
+DEFAULT_ELSEWHERE_TIMEOUT = 1800.0
 WAITING = "waiting for the gradient all-reduce"
 EXITED = "exited"
 TAG_SIZE = 32  # HMAC-SHA256 digest
@@ -53,26 +60,34 @@ class PeerState:
     seq: int = -1
 
 
-def settings(environ=None) -> tuple[bool, float]:
-    """(enabled, timeout seconds) from HVDP_WATCHDOG and HVDP_WATCHDOG_TIMEOUT.
+def settings(environ=None) -> tuple[bool, float, float]:
+    """(enabled, timeout, elsewhere_timeout) from HVDP_WATCHDOG, HVDP_WATCHDOG_TIMEOUT and
+    HVDP_WATCHDOG_ELSEWHERE_TIMEOUT.
 
     Args:
         environ: the variables to read; default None means os.environ. HVDP_WATCHDOG "0", "false" or "off"
-            disables the watchdog (anything else, or unset, enables it); HVDP_WATCHDOG_TIMEOUT is in
-            seconds (default DEFAULT_TIMEOUT, 60).
+            disables the watchdog (anything else, or unset, enables it); HVDP_WATCHDOG_TIMEOUT is the
+            seconds a peer may be silent (default DEFAULT_TIMEOUT, 60); HVDP_WATCHDOG_ELSEWHERE_TIMEOUT the
+            seconds this rank may wait in the all-reduce while a live peer is elsewhere (default
+            DEFAULT_ELSEWHERE_TIMEOUT, 1800).
 
     Raises:
-        ConfigError: HVDP_WATCHDOG_TIMEOUT is not a number, or is <= 0, inf or nan.
+        ConfigError: either timeout is not a number, or is <= 0, inf or nan.
     """
     env = os.environ if environ is None else environ
     enabled = env.get("HVDP_WATCHDOG", "1") not in ("0", "false", "off")
+    return (enabled, _seconds(env, "HVDP_WATCHDOG_TIMEOUT", DEFAULT_TIMEOUT),
+            _seconds(env, "HVDP_WATCHDOG_ELSEWHERE_TIMEOUT", DEFAULT_ELSEWHERE_TIMEOUT))
+
+
+def _seconds(env, name: str, default: float) -> float:
     try:
-        timeout = float(env.get("HVDP_WATCHDOG_TIMEOUT", DEFAULT_TIMEOUT))
+        value = float(env.get(name, default))
     except ValueError:
-        raise ConfigError(f"HVDP_WATCHDOG_TIMEOUT must be a number of seconds, got {env['HVDP_WATCHDOG_TIMEOUT']!r}")
-    if not 0 < timeout < math.inf:  # also refuses nan, which compares false to everything
-        raise ConfigError(f"HVDP_WATCHDOG_TIMEOUT must be a finite number of seconds > 0, got {timeout}")
-    return enabled, timeout
+        raise ConfigError(f"{name} must be a number of seconds, got {env[name]!r}")
+    if not 0 < value < math.inf:  # also refuses nan, which compares false to everything
+        raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value}")
+    return value
 
 
 def open_socket(bind: str = "0.0.0.0") -> socket.socket:
@@ -97,27 +112,35 @@ class Watchdog:
             in stop().
         secret: the job's heartbeat key (bytes, at least 16; every rank the same): every packet sent is
             signed with it, and a packet not signed with it is ignored and counted in `rejected`.
-        timeout: seconds of silence from a peer, or of this rank waiting in a collective while a live peer
-            is elsewhere, before the job is ended (default DEFAULT_TIMEOUT, 60).
+        timeout: seconds of silence from a peer before the job is ended (default DEFAULT_TIMEOUT, 60).
+        elsewhere_timeout: seconds this rank may wait in the gradient all-reduce while a live peer is
+            elsewhere before the job is ended (default DEFAULT_ELSEWHERE_TIMEOUT, 1800); a warning comes
+            first, after min(timeout, elsewhere_timeout / 2).
         interval: seconds between heartbeats (default: 1, or timeout / 5 when that is shorter).
         on_hang: called once with the message when diagnose() finds a problem; the default prints it to
             stderr and ends the process with EXIT_CODE (70). The thread stops after calling it.
+        on_warning: called with the message when warning() finds a peer elsewhere, once per wait; the
+            default prints it to stderr.
 
     Raises:
         ValueError: `secret` is not bytes of at least 16 (a programming error: init() makes it).
     """
 
     def __init__(self, rank: int, peers: list[list[tuple[str, int]]], sock: socket.socket, *,
-                 secret: bytes, timeout: float = DEFAULT_TIMEOUT, interval: float | None = None,
-                 on_hang: Callable[[str], None] | None = None):
+                 secret: bytes, timeout: float = DEFAULT_TIMEOUT,
+                 elsewhere_timeout: float = DEFAULT_ELSEWHERE_TIMEOUT, interval: float | None = None,
+                 on_hang: Callable[[str], None] | None = None, on_warning: Callable[[str], None] | None = None):
         if not isinstance(secret, bytes) or len(secret) < 16:
             raise ValueError("Watchdog needs the job's heartbeat secret as bytes (at least 16)")
         self.rank, self.peers, self.sock, self.timeout = rank, peers, sock, timeout
+        self.elsewhere_timeout = elsewhere_timeout
+        self._warned = None  # the wait (its start time) already warned about
         self._secret = secret
         self._seq = 0
         self.rejected = 0  # packets ignored: malformed, unauthenticated, foreign or replayed
         self.interval = interval if interval is not None else min(1.0, timeout / 5)
         self.on_hang = on_hang or _abort
+        self.on_warning = on_warning or _warn
         self.step, self.phase, self.since = 0, "starting", time.monotonic()
         self.state = {r: PeerState() for r in range(len(peers)) if r != rank}
         self._stop = threading.Event()
@@ -166,10 +189,16 @@ class Watchdog:
                     accepted = False
                 if not accepted:
                     self.rejected += 1
-            problem = self.diagnose(time.monotonic())
+            now = time.monotonic()
+            problem = self.diagnose(now)
             if problem:
                 self.on_hang(problem)
                 return
+            if self._warned != self.since:
+                warning = self.warning(now)
+                if warning:
+                    self._warned = self.since
+                    self.on_warning(warning)
 
     def _sign(self, body: bytes) -> bytes:
         """The TAG_SIZE-byte tag a heartbeat carries: HMAC-SHA256 of its body under the job's secret."""
@@ -218,29 +247,54 @@ class Watchdog:
             now: the current time.monotonic().
 
         Returns:
-            A message naming the silent peers, or (when this rank has been WAITING longer than the timeout)
-            the live peers at another step or phase; None otherwise.
+            A message naming the peers silent for longer than `timeout`, or (when this rank has been WAITING
+            longer than `elsewhere_timeout`) the live peers at another step or phase; None otherwise.
         """
         silent = sorted(r for r, p in self.state.items() if now - p.heard > self.timeout)
-        me = f"rank {self.rank} is at step {self.step}, {self.phase} for {now - self.since:.0f} s"
-        if self.rejected:
-            me += (f" ({self.rejected} heartbeat packet(s) were ignored as malformed, unauthenticated or from "
-                   f"another job)")
         if silent:
             who = "; ".join(f"rank {r} (last heard {now - self.state[r].heard:.0f} s ago at step "
                             f"{self.state[r].step}, {self.state[r].phase})" for r in silent)
             return (f"hvdp watchdog: {who} stopped responding: the process is stopped, frozen, or its host or "
-                    f"network is gone. {me}. Ending the job instead of waiting forever (timeout "
+                    f"network is gone. {self._me(now)}. Ending the job instead of waiting forever (timeout "
                     f"{self.timeout:g} s; HVDP_WATCHDOG_TIMEOUT changes it, HVDP_WATCHDOG=0 disables it).")
-        if self.phase == WAITING and now - self.since > self.timeout:
-            behind = sorted(r for r, p in self.state.items() if p.phase != WAITING or p.step != self.step)
-            if behind:
-                who = "; ".join(f"rank {r} is alive at step {self.state[r].step}, {self.state[r].phase}"
-                                for r in behind)
-                return (f"hvdp watchdog: {me}, but {who}: it never reached this collective (a rank-dependent "
-                        f"code path, or a rank stuck in its own code). Ending the job (timeout {self.timeout:g} s; "
-                        f"HVDP_WATCHDOG_TIMEOUT changes it).")
+        elsewhere = self._elsewhere(now, self.elsewhere_timeout)
+        if elsewhere:
+            return (f"hvdp watchdog: {self._me(now)}, but {elsewhere}: it never reached this collective (a "
+                    f"rank-dependent code path, or a rank stuck in its own code). Ending the job (limit "
+                    f"{self.elsewhere_timeout:g} s for a live peer elsewhere; HVDP_WATCHDOG_ELSEWHERE_TIMEOUT "
+                    f"changes it).")
         return None
+
+    def warning(self, now: float) -> str | None:
+        """The warning for a long wait on a live peer that is elsewhere, or None. A pure function of the state.
+
+        Args:
+            now: the current time.monotonic().
+
+        Returns:
+            When this rank has been WAITING longer than min(timeout, elsewhere_timeout / 2) while live peers
+            are at another step or phase: a message naming them and when the job will be ended; else None.
+        """
+        elsewhere = self._elsewhere(now, min(self.timeout, self.elsewhere_timeout / 2))
+        if not elsewhere:
+            return None
+        return (f"hvdp watchdog (warning): {self._me(now)}; {elsewhere}. A peer evaluating, saving a "
+                f"checkpoint or logging is normal; if it has not joined after {self.elsewhere_timeout:g} s in all, "
+                f"the job is ended (HVDP_WATCHDOG_ELSEWHERE_TIMEOUT changes that limit).")
+
+    def _elsewhere(self, now: float, limit: float) -> str:
+        """The live peers at another step or phase, when this rank has been WAITING longer than `limit`."""
+        if self.phase != WAITING or now - self.since <= limit:
+            return ""
+        return "; ".join(f"rank {r} is alive at step {p.step}, {p.phase}" for r, p in sorted(self.state.items())
+                         if p.phase != WAITING or p.step != self.step)
+
+    def _me(self, now: float) -> str:
+        me = f"rank {self.rank} is at step {self.step}, {self.phase} for {now - self.since:.0f} s"
+        if self.rejected:
+            me += (f" ({self.rejected} heartbeat packet(s) were ignored as malformed, unauthenticated or from "
+                   f"another job)")
+        return me
 
 
 def _abort(message: str) -> None:
@@ -248,4 +302,8 @@ def _abort(message: str) -> None:
     os._exit(EXIT_CODE)
 
 
-__all__ = ["EXIT_CODE", "DEFAULT_TIMEOUT", "WAITING", "EXITED", "settings", "open_socket", "Watchdog"]
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+__all__ = ["EXIT_CODE", "DEFAULT_TIMEOUT", "DEFAULT_ELSEWHERE_TIMEOUT", "WAITING", "EXITED", "settings", "open_socket", "Watchdog"]

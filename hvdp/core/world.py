@@ -2,8 +2,8 @@
 
 World is this process's (rank, size, local_rank, local_size), read from an initialised Horovod or, without
 initialising anything, from the launcher's environment variables (horovodrun, mpirun, Slurm; plain `python`
-is a world of size 1). detect_launcher and elastic name how the job was started; gloo_hostname_problem and
-threads_per_rank are the checks and sizes init() derives from them. Pure functions of their arguments.
+is a world of size 1). detect_launcher and elastic name how the job was started; gloo_hostname_problem is
+a check init() derives from them. Pure functions of their arguments.
 """
 
 from __future__ import annotations
@@ -158,17 +158,4 @@ def gloo_hostname_problem(env: Mapping[str, str], hostname: str, address: str | 
     return None
 
 
-def threads_per_rank(cpu_count: int, local_size: int) -> int:
-    """Intra-op threads for each rank so that the ranks on one host do not oversubscribe its cores.
-
-    Args:
-        cpu_count: the host's cores (os.cpu_count()).
-        local_size: the ranks on this host (a value < 1 counts as 1).
-
-    Returns:
-        cpu_count // local_size, at least 1.
-    """
-    return max(1, cpu_count // max(1, local_size))
-
-
-__all__ = ["World", "detect_launcher", "elastic", "gloo_hostname_problem", "threads_per_rank"]
+__all__ = ["World", "detect_launcher", "elastic", "gloo_hostname_problem"]

@@ -17,15 +17,11 @@ SECRET = b"s" * 32
 OTHER_JOB = b"o" * 32
 
 
-def make_dog(rank, peers, sock, timeout, catcher):
-    """Old code has no `secret` argument: it is passed only where the constructor accepts it."""
-    try:
-        return Watchdog(rank, peers, sock, secret=SECRET, timeout=timeout, interval=0.05, on_hang=catcher)
-    except TypeError:
-        return Watchdog(rank, peers, sock, timeout=timeout, interval=0.05, on_hang=catcher)
+def make_dog(rank, peers, sock, timeout, catcher, **limits):
+    return Watchdog(rank, peers, sock, secret=SECRET, timeout=timeout, interval=0.05, on_hang=catcher, **limits)
 
 
-def pair(timeout=0.6):
+def pair(timeout=0.6, **limits):
     socks = [open_socket("127.0.0.1") for _ in range(2)]
     peers = [[("127.0.0.1", s.getsockname()[1])] for s in socks]
     fired = {0: threading.Event(), 1: threading.Event()}
@@ -37,7 +33,7 @@ def pair(timeout=0.6):
             fired[rank].set()
         return on_hang
 
-    dogs = [make_dog(r, peers, socks[r], timeout, catcher(r)) for r in range(2)]
+    dogs = [make_dog(r, peers, socks[r], timeout, catcher(r), **limits) for r in range(2)]
     return dogs, fired, messages
 
 
@@ -80,28 +76,57 @@ def test_peer_that_leaves_on_purpose_is_not_a_hang():
 
 
 def test_live_peer_that_never_joins_the_collective():
-    dogs, fired, messages = pair()
+    warnings = []
+    dogs, fired, messages = pair(elsewhere_timeout=1.5, on_warning=warnings.append)
     for d in dogs:
         d.start()
+    start = time.monotonic()
     dogs[0].progress(3, WAITING)
     dogs[1].progress(3, "computing its forward/backward pass")  # alive, heartbeating, never joins
-    assert fired[0].wait(3)
+    assert fired[0].wait(4)
+    waited = time.monotonic() - start
     assert "rank 1 is alive at step 3, computing" in messages[0] and "never reached this collective" in messages[0]
+    assert "HVDP_WATCHDOG_ELSEWHERE_TIMEOUT" in messages[0]
+    assert waited >= 1.5, waited  # the live peer's limit, not the silent peer's 0.6 s
+    assert len(warnings) == 1 and "warning" in warnings[0] and "rank 1 is alive at step 3, computing" in warnings[0]
     assert not fired[1].is_set()
     for d in dogs:
         d.stop()
 
 
-@pytest.mark.parametrize("env,expected", [({}, (True, 60.0)), ({"HVDP_WATCHDOG": "0"}, (False, 60.0)),
-                                          ({"HVDP_WATCHDOG_TIMEOUT": "5"}, (True, 5.0))])
+def test_live_peer_elsewhere_gets_a_warning_then_rejoins():
+    """A peer busy for longer than the silent-peer limit (rank 0 writing a checkpoint) is warned about once
+    and does not end the job; a second long wait warns again."""
+    warnings = []
+    dogs, fired, _ = pair(timeout=0.3, elsewhere_timeout=30, on_warning=warnings.append)
+    for d in dogs:
+        d.start()
+    for step in (4, 5):
+        dogs[1].progress(step, WAITING)
+        dogs[0].progress(step, "saving a checkpoint")
+        time.sleep(1.2)  # 4x the silent limit, heartbeats flowing
+        assert len(warnings) == step - 3, warnings
+        assert f"rank 1 is at step {step}, waiting" in warnings[-1] and f"rank 0 is alive at step {step}, saving" \
+            in warnings[-1] and "30 s" in warnings[-1]
+        dogs[0].progress(step, WAITING)
+        time.sleep(0.2)
+    assert not fired[0].is_set() and not fired[1].is_set()
+    for d in dogs:
+        d.stop()
+
+
+@pytest.mark.parametrize("env,expected", [({}, (True, 60.0, 1800.0)), ({"HVDP_WATCHDOG": "0"}, (False, 60.0, 1800.0)),
+                                          ({"HVDP_WATCHDOG_TIMEOUT": "5"}, (True, 5.0, 1800.0)),
+                                          ({"HVDP_WATCHDOG_ELSEWHERE_TIMEOUT": "90"}, (True, 60.0, 90.0))])
 def test_settings(env, expected):
     assert settings(env) == expected
 
 
+@pytest.mark.parametrize("name", ["HVDP_WATCHDOG_TIMEOUT", "HVDP_WATCHDOG_ELSEWHERE_TIMEOUT"])
 @pytest.mark.parametrize("bad", ["soon", "0", "-3", "nan", "inf"])
-def test_bad_timeout_is_a_clear_error(bad):
-    with pytest.raises(ConfigError, match="HVDP_WATCHDOG_TIMEOUT"):
-        settings({"HVDP_WATCHDOG_TIMEOUT": bad})
+def test_bad_timeout_is_a_clear_error(name, bad):
+    with pytest.raises(ConfigError, match=name):
+        settings({name: bad})
 
 
 def signed(body: bytes, key: bytes = SECRET) -> bytes:

@@ -4,7 +4,7 @@ import pytest
 
 from hvdp import TrainConfig, World
 from hvdp.core.errors import ConfigError, HvdpError
-from hvdp.core.world import detect_launcher, gloo_hostname_problem, threads_per_rank
+from hvdp.core.world import detect_launcher, gloo_hostname_problem
 
 
 def test_plain_python_is_size_one():
@@ -75,11 +75,6 @@ def test_config_validation_names_the_value(kw, match):
 def test_errors_name_the_rank():
     assert str(HvdpError("boom", rank=3)) == "[rank 3] boom"
     assert isinstance(ConfigError("x"), ValueError)
-
-
-@pytest.mark.parametrize("cpus,local,expected", [(2, 2, 1), (16, 4, 4), (2, 4, 1), (8, 1, 8), (3, 2, 1)])
-def test_threads_per_rank_never_oversubscribes(cpus, local, expected):
-    assert threads_per_rank(cpus, local) == expected
 
 
 def test_runtime_defaults_never_override_the_user():

@@ -1,7 +1,8 @@
 """A small training loop in which one rank fails on purpose: `--fault stop|kill|skip --rank R --at-step S`.
 
 stop: SIGSTOP itself (a hung rank); kill: SIGKILL itself (a dead rank); skip: leave the training loop early
-and keep running without joining the all-reduce (a rank-dependent code path).
+and keep running without joining the all-reduce (a rank-dependent code path); pause: sleep --pause seconds
+between two steps, outside any collective, then go on (a rank evaluating or writing a slow checkpoint).
 """
 
 import argparse
@@ -19,10 +20,11 @@ import torch.nn.functional as F  # noqa: E402
 import hvdp.torch as ht  # noqa: E402
 
 p = argparse.ArgumentParser()
-p.add_argument("--fault", choices=["stop", "kill", "skip"], required=True)
+p.add_argument("--fault", choices=["stop", "kill", "skip", "pause"], required=True)
 p.add_argument("--rank", type=int, default=1)
 p.add_argument("--at-step", type=int, default=5)
 p.add_argument("--steps", type=int, default=10_000)
+p.add_argument("--pause", type=float, default=90.0)
 args = p.parse_args()
 
 world = ht.init()
@@ -36,9 +38,11 @@ for step in range(args.steps):
             os.kill(os.getpid(), signal.SIGSTOP)
         elif args.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif args.fault == "pause":
+            time.sleep(args.pause)
         else:
             time.sleep(3600)  # alive, heartbeating, but never reaching the next all-reduce
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
     opt.step()
-print("finished without noticing the fault", flush=True)
+print(f"rank {world.rank}: finished without noticing the fault", flush=True)

@@ -11,14 +11,15 @@ import pytest
 from tests.launch import ROOT, env, launcher_cmd
 
 WORKER = Path(__file__).with_name("fault_worker.py")
-TIMEOUT = 5  # HVDP_WATCHDOG_TIMEOUT for these tests; the default is 60 s
+TIMEOUT = 5  # HVDP_WATCHDOG_TIMEOUT and HVDP_WATCHDOG_ELSEWHERE_TIMEOUT for these tests; defaults 60 s and 1800 s
 
 
 def run_fault(launcher, fault, limit):
     """Run the job in its own session; return (exit code, output, seconds). Kill what is left afterwards."""
     cmd = launcher_cmd(launcher) + [str(WORKER), "--fault", fault, "--rank", "1", "--at-step", "5"]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(HVDP_WATCHDOG_TIMEOUT=str(TIMEOUT)), start_new_session=True,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(HVDP_WATCHDOG_TIMEOUT=str(TIMEOUT),
+                            HVDP_WATCHDOG_ELSEWHERE_TIMEOUT=str(TIMEOUT)), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=limit)
@@ -57,6 +58,24 @@ def test_dead_rank_ends_the_job_naming_it(launcher):
     assert code not in (0, None) and "still running" not in out, out[-3000:]
     assert seconds < 60
     assert any(s in out for s in ("Process name: 1", "rank 1 (last heard", "rank 1 with PID")), out[-3000:]
+
+
+def test_rank_busy_between_steps_for_90_s_does_not_end_the_job():
+    """Rank 0 sleeps 90 s between two steps, outside any collective (evaluating, writing a checkpoint to a
+    slow filesystem), while rank 1 waits in the all-reduce: with the default limits (a silent peer 60 s, a
+    live peer elsewhere 1800 s) rank 1 warns once, naming rank 0, its step and phase, and the job finishes.
+    MPI and Gloo run side by side, so the test costs one pause."""
+    cmds = {launcher: launcher_cmd(launcher) + [str(WORKER), "--fault", "pause", "--rank", "0", "--at-step", "5",
+                                                "--steps", "8", "--pause", "90"] for launcher in ("mpi", "gloo")}
+    procs = {launcher: subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True) for launcher, cmd in cmds.items()}
+    for launcher, proc in procs.items():
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (launcher, out[-3000:])
+        assert "rank 0: finished" in out and "rank 1: finished" in out, (launcher, out[-3000:])
+        assert "hvdp watchdog (warning): rank 1 is at step 5, waiting for the gradient all-reduce" in out, out[-3000:]
+        assert "rank 0 is alive at step 5, computing its forward/backward pass" in out, out[-3000:]
+        assert out.count("hvdp watchdog (warning)") == 1 and "Ending the job" not in out, out[-3000:]
 
 
 def test_stopped_rank_inside_the_shared_memory_allreduce_is_named_by_its_peer():
