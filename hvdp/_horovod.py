@@ -9,6 +9,9 @@ import importlib
 import os
 import secrets
 import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
 from hvdp.core import checkpoint as ckpt
 from hvdp.core.cpus import cpu_share, threads_per_rank
@@ -131,17 +134,172 @@ def controller(hvd) -> str:
     return "none"
 
 
-def read_checkpoint_on_root(hvd, directory, read):
-    """Rank 0 reads the newest checkpoint in `directory` with `read(path)`; every rank gets the payload (None
-    when there is none), or raises the same CheckpointError, so no rank is left waiting for the others."""
-    result: dict = {}
+# ------------------------------------------------------------------ checkpoints and big state, streamed
+
+STREAM_CHUNK = 64 << 20  # bytes per collective when broadcasting arrays; every rank holds one such buffer
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayRef:
+    """Where an array was in a broadcast tree: its index in the stream, key path, shape, dtype and size."""
+
+    index: int
+    path: tuple
+    shape: tuple
+    dtype: Any
+    nbytes: int
+
+
+class ArrayOps:
+    """How broadcast_tree handles one framework's arrays; each adapter passes its own (TorchArrays, ...)."""
+
+    def is_array(self, x) -> bool: ...
+    def describe(self, x) -> tuple[tuple, Any, int]: ...   # (shape, dtype, nbytes)
+    def empty(self, ref: ArrayRef): ...
+    def fits(self, x, ref: ArrayRef) -> bool: ...          # can `x` receive `ref`'s bytes in place?
+    def as_bytes(self, x): ...                             # a 1-D uint8 numpy view sharing x's memory
+    def broadcast(self, hvd, buffer, name: str) -> None: ...  # in place, from rank 0
+
+
+def broadcast_tree(hvd, ops: ArrayOps, tree, *, name: str, into: Callable | None = None):
+    """Broadcast `tree` (nested dicts, lists and tuples of arrays and plain values, on rank 0; ignored
+    elsewhere) from rank 0 without pickling its arrays. Every rank must call it.
+
+    The structure and the plain values go by broadcast_object (small); the arrays' bytes stream through one
+    STREAM_CHUNK-byte buffer, several small arrays packed into one collective. So a state of any size
+    (Horovod's broadcast_object sends its length as int32: 2 GiB at most) is sent with bounded extra memory:
+    `into(path, ref)` may name an existing array of the same shape and dtype to receive an array in place
+    (a model's parameters); the others are allocated once. Returns the tree on every rank (on rank 0 too,
+    with its arrays copied into those destinations, so that no rank keeps the source's memory).
+    """
+    import numpy as np
+
+    root = hvd.rank() == 0
+    sources: list = []
+
+    def strip(x, path):
+        if ops.is_array(x):
+            shape, dtype, nbytes = ops.describe(x)
+            sources.append(x)
+            return ArrayRef(len(sources) - 1, path, shape, dtype, nbytes)
+        if isinstance(x, dict):
+            return type(x)((k, strip(v, path + (k,))) for k, v in x.items())
+        if isinstance(x, (list, tuple)):
+            return type(x)(strip(v, path + (i,)) for i, v in enumerate(x))
+        return x
+
+    skeleton = hvd.broadcast_object(strip(tree, ()) if root else None, root_rank=0, name=name)
+    refs: list[ArrayRef] = []
+
+    def collect(x):
+        if isinstance(x, ArrayRef):
+            refs.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                collect(v)
+
+    collect(skeleton)
+    dests = []
+    for ref in refs:
+        d = into(ref.path, ref) if into is not None else None
+        dests.append(d if d is not None and ops.fits(d, ref) else ops.empty(ref))
+    total = sum(ref.nbytes for ref in refs)
+    if total and hvd.size() > 1:
+        size = min(STREAM_CHUNK, total)
+        staging = np.empty(size, dtype=np.uint8)
+        pending, fill = [], 0
+
+        def flush():
+            ops.broadcast(hvd, staging, f"{name}.stream")  # always the whole buffer: one shape, one name
+            if not root:
+                for view, at, start, n in pending:
+                    view[at:at + n] = staging[start:start + n]
+            pending.clear()
+
+        for ref, dest in zip(refs, dests):
+            view = ops.as_bytes(dest)
+            source = ops.as_bytes(sources[ref.index]) if root else None
+            offset = 0
+            while offset < ref.nbytes:
+                n = min(ref.nbytes - offset, size - fill)
+                if root:
+                    staging[fill:fill + n] = source[offset:offset + n]
+                else:
+                    pending.append((view, offset, fill, n))
+                fill += n
+                offset += n
+                if fill == size:
+                    flush()
+                    fill = 0
+            if root:
+                view[:] = source
+        if fill:
+            flush()
+    elif root:
+        for ref, dest in zip(refs, dests):
+            ops.as_bytes(dest)[:] = ops.as_bytes(sources[ref.index])
+    sources.clear()
+
+    def build(x):
+        if isinstance(x, ArrayRef):
+            return dests[x.index]
+        if isinstance(x, dict):
+            return type(x)((k, build(v)) for k, v in x.items())
+        if isinstance(x, (list, tuple)):
+            return type(x)(build(v) for v in x)
+        return x
+
+    return build(skeleton)
+
+
+def read_checkpoint_on_root(hvd, directory, read, ops: ArrayOps, into: Callable | None = None):
+    """Rank 0 reads the newest checkpoint in `directory` with `read(path)`; every rank gets the payload
+    (None when there is none), streamed by broadcast_tree (`into` as there), or raises the same
+    CheckpointError naming the file, the OS error and the rank, so no rank is left waiting for the others."""
+    outcome: dict = {}
     if hvd.rank() == 0:
-        path = ckpt.latest_checkpoint(directory)
+        path = None
         try:
-            result = {"payload": read(path)} if path else {}
+            path = ckpt.latest_checkpoint(directory)
+            outcome = {"payload": read(path)} if path else {}
         except CheckpointError as e:
-            result = {"error": str(e)}
-    result = hvd.broadcast_object(result, root_rank=0, name="hvdp.load_checkpoint")
-    if "error" in result:
-        raise CheckpointError(result["error"], rank=hvd.rank())
-    return result.get("payload")
+            outcome = {"error": str(e)}
+        except OSError as e:  # deleted between the listing and the read, unreadable, an I/O error
+            outcome = {"error": f"cannot read checkpoint {path or directory} on rank 0: {type(e).__name__}: {e}. "
+                                f"Check that it exists and is readable (another job pruning the same directory "
+                                f"deletes files while they are read)"}
+    outcome = broadcast_tree(hvd, ops, outcome, name="hvdp.load_checkpoint",
+                             into=(lambda path, ref: into(path[1:], ref)) if into else None)
+    if "error" in outcome:
+        raise CheckpointError(outcome["error"], rank=hvd.rank())
+    return outcome.get("payload")
+
+
+def save_on_root(hvd, directory, name: str, write: Callable, keep: int):
+    """Rank 0 writes `directory`/`name` atomically with `write(fileobj)` and keeps the newest `keep`; every
+    rank returns together (the path on rank 0, None elsewhere) or raises the same CheckpointError naming the
+    path, the OS error and the rank (read-only directory, disk full). Every rank must call it; `write` is
+    only called on rank 0."""
+    outcome: dict = {}
+    if hvd.rank() == 0:
+        path = Path(directory) / name
+        try:
+            ckpt.write_atomic(path, write)
+        except Exception as e:  # noqa: BLE001 - whatever failed, every rank must hear of it
+            outcome = {"error": f"cannot write checkpoint {path} on rank 0: {type(e).__name__}: {e}. Nothing was "
+                                f"replaced: the older checkpoints are intact. Check that the directory is writable "
+                                f"and has room for the checkpoint"}
+        else:
+            try:
+                ckpt.prune(directory, keep)
+                outcome = {"path": str(path)}
+            except OSError as e:
+                outcome = {"error": f"wrote checkpoint {path} on rank 0, but could not delete the older ones "
+                                    f"(keep={keep}): {type(e).__name__}: {e}"}
+    outcome = hvd.broadcast_object(outcome, root_rank=0, name="hvdp.save_checkpoint")
+    if "error" in outcome:
+        raise CheckpointError(outcome["error"], rank=hvd.rank())
+    return Path(outcome["path"]) if hvd.rank() == 0 else None

@@ -794,11 +794,13 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
         extra: JSON values (numbers, strings, lists, dicts) returned by load_checkpoint.
 
     Returns:
-        The path on rank 0, None elsewhere. An error writing the file is raised on rank 0 only.
+        The path on rank 0, None elsewhere.
 
     Raises:
         ConfigError: `extra` holds a value that is not JSON, or `keep` is not an integer >= 1 (before any
             collective, on every rank).
+        CheckpointError: rank 0 could not write the file (read-only directory, disk full: the path and the
+            OS error), on every rank; the older checkpoints are kept.
     """
     ckpt.check_keep(keep)
     try:
@@ -808,8 +810,7 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     _build_optimizer(optimizer, model)
     local = hvd.allgather_object(_numpy(_local_variables(model, optimizer)), name="hvdp.local_state")
     if hvd.rank() != 0:
-        barrier()
-        return None
+        return _horovod.save_on_root(hvd, directory, "", None, keep)
     weights = _weights(model)
     opt_vars = list(optimizer.variables) if optimizer is not None else []
     header = {"hvdp": ckpt.make_meta(framework=FRAMEWORK, step=global_step, epoch=epoch, world_size=hvd.size(),
@@ -823,26 +824,28 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     arrays.update({f"optimizer/{i:05d}": a for i, a in enumerate(_numpy(opt_vars))})
     for r, states in enumerate(local):
         arrays.update({f"local/{r}/{i:05d}": a for i, a in enumerate(states)})
-    path = Path(directory) / ckpt.checkpoint_name(global_step, "npz")
-    try:
-        ckpt.write_atomic(path, lambda f: np.savez(f, **arrays))
-        ckpt.prune(directory, keep)
-    finally:
-        barrier()
-    return path
+    return _horovod.save_on_root(hvd, directory, ckpt.checkpoint_name(global_step, "npz"),
+                                 lambda f: np.savez(f, **arrays), keep)
 
 
-def _read(path: Path, model, optimizer) -> dict:
+def _read(path: Path, model, optimizer, resharding_data: bool) -> dict:
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
         header = json.loads(str(arrays.pop("header")))
+    except OSError:
+        raise
     except Exception as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}. The file is corrupt, "
                               f"truncated or not an hvdp TensorFlow checkpoint; delete it to resume from an older one")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} is not an hvdp checkpoint (no '{ckpt.FORMAT}' header)")
-    ckpt.check_meta(header.get("hvdp"), path, framework=FRAMEWORK, model_fingerprint=_fingerprint(model))
+    meta = ckpt.check_meta(header.get("hvdp"), path, framework=FRAMEWORK, model_fingerprint=_fingerprint(model))
+    if resharding_data and meta["world_size"] != hvd.size() and header["position"]["step"]:
+        raise CheckpointError(
+            f"the checkpoint was taken mid-epoch with {meta['world_size']} ranks and this job has {hvd.size()}: "
+            f"its data position cannot be resharded exactly; resume with {meta['world_size']} ranks, or from an "
+            f"end-of-epoch checkpoint")
     opt_vars = list(optimizer.variables) if optimizer is not None else []
     saved = [arrays.get(f"optimizer/{i:05d}") for i in range(len(header.get("optimizer", [])))]
     if optimizer is not None and ([tuple(a.shape) for a in saved] != [tuple(v.shape) for v in opt_vars]):
@@ -887,16 +890,14 @@ def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimi
     """
     _ensure_init()
     _build_optimizer(optimizer, model)
-    payload = _horovod.read_checkpoint_on_root(hvd, directory, lambda path: _read(path, model, optimizer))
+    if dataset is not None:
+        _position(dataset)  # before any collective: a dataset not made by shard() is refused on every rank
+    payload = _horovod.read_checkpoint_on_root(
+        hvd, directory, lambda path: _read(path, model, optimizer, dataset is not None), _ARRAYS)
     if payload is None:
         return None
     header, position = payload["header"], payload["header"]["position"]
     same_world = header["hvdp"]["world_size"] == hvd.size()
-    if dataset is not None and not same_world and position["step"]:
-        raise CheckpointError(
-            f"the checkpoint was taken mid-epoch with {header['hvdp']['world_size']} ranks and this job has "
-            f"{hvd.size()}: its data position cannot be resharded exactly; resume with "
-            f"{header['hvdp']['world_size']} ranks, or from an end-of-epoch checkpoint", rank=hvd.rank())
     for v, a in zip(_weights(model), payload["model"]):
         v.assign(a)
     if optimizer is not None:
@@ -919,6 +920,31 @@ def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimi
         _position(dataset).set(position["epoch"], position["step"])
     return {"epoch": position["epoch"], "step": position["step"], "global_step": header["hvdp"]["step"],
             **header["extra"]}
+
+
+class _NumpyArrays(_horovod.ArrayOps):
+    """NumPy arrays for _horovod.broadcast_tree: their bytes, viewed as uint8, go through Horovod's broadcast."""
+
+    def is_array(self, x) -> bool:
+        return isinstance(x, np.ndarray)
+
+    def describe(self, x):
+        return tuple(x.shape), x.dtype, x.nbytes
+
+    def empty(self, ref):
+        return np.empty(ref.shape, dtype=ref.dtype)
+
+    def fits(self, x, ref) -> bool:
+        return isinstance(x, np.ndarray) and x.shape == ref.shape and x.dtype == ref.dtype and x.flags.c_contiguous
+
+    def as_bytes(self, x):
+        return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+
+    def broadcast(self, hvd_, buffer, name: str) -> None:
+        buffer[:] = hvd_.broadcast(tf.constant(buffer), root_rank=0, name=name).numpy()
+
+
+_ARRAYS = _NumpyArrays()
 
 
 def _position(dataset) -> ShardPosition:

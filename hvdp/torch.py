@@ -639,12 +639,16 @@ class ElasticState(ObjectState):
         after every reset; every rank must call it.
         """
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
-        # The whole optimizer state as one object: a worker that just joined has none yet, and Horovod's
+        # The whole optimizer state as one tree: a worker that just joined has none yet, and Horovod's
         # broadcast_optimizer_state would make it take a zero-gradient step to create it.
+        # Streamed (see _horovod.broadcast_tree): an optimizer state of any size, received in place where
+        # this rank already has it.
         s = self.optimizer.hvdp_schedule
-        opt_state, (step, multiplier), position = hvd.broadcast_object(
-            (self.optimizer.state_dict(), (s.step, s.multiplier), self.sampler.position()),
-            root_rank=0, name="hvdp.elastic.sync")
+        synced = _horovod.broadcast_tree(
+            hvd, _ARRAYS, {"optimizer": self.optimizer.state_dict(), "schedule": (s.step, s.multiplier),
+                           "position": self.sampler.position()},
+            name="hvdp.elastic.sync", into=_into(None, self.optimizer))
+        opt_state, (step, multiplier), position = synced["optimizer"], synced["schedule"], synced["position"]
         self.optimizer.load_state_dict(opt_state)
         s.multiplier = lr_multiplier(s.rule, hvd.size(), backward_passes_per_step=s.passes, op=s.op)
         _rescale_groups(self.optimizer, multiplier, s.multiplier)
@@ -713,16 +717,17 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
         extra: plain values (numbers, strings, lists, dicts, tensors) returned by load_checkpoint.
 
     Returns:
-        The path on rank 0, None elsewhere. An error writing the file is raised on rank 0 only.
+        The path on rank 0, None elsewhere.
 
     Raises:
         ConfigError: `keep` is not an integer >= 1 (on every rank, before any collective).
+        CheckpointError: rank 0 could not write the file (read-only directory, disk full: the path and the
+            OS error), on every rank; the older checkpoints are kept.
     """
     ckpt.check_keep(keep)
     rng = hvd.allgather_object(_rng_state(), name="hvdp.rng")  # every rank's RNG, so a resumed run continues exactly
     if hvd.rank() != 0:
-        hvd.barrier()
-        return None
+        return _horovod.save_on_root(hvd, directory, "", None, keep)
     schedule = getattr(optimizer, "hvdp_schedule", None)
     payload = {
         "hvdp": ckpt.make_meta(framework="torch", step=global_step, epoch=epoch, world_size=hvd.size(),
@@ -735,13 +740,8 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
         "rng": rng,
         "extra": extra,
     }
-    path = Path(directory) / ckpt.checkpoint_name(global_step, "pt")
-    try:
-        ckpt.write_atomic(path, lambda f: torch.save(payload, f))
-        ckpt.prune(directory, keep)
-    finally:
-        hvd.barrier()
-    return path
+    return _horovod.save_on_root(hvd, directory, ckpt.checkpoint_name(global_step, "pt"),
+                                 lambda f: torch.save(payload, f), keep)
 
 
 def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -767,7 +767,8 @@ def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimi
         CheckpointError: the newest file is corrupt, truncated, not hvdp's, from another framework or model;
             or, with `loader`, it was taken mid-epoch with another number of ranks. On every rank.
     """
-    payload = _horovod.read_checkpoint_on_root(hvd, directory, lambda path: _read(path, model))
+    payload = _horovod.read_checkpoint_on_root(hvd, directory, lambda path: _read(path, model, loader is not None),
+                                               _ARRAYS, into=_into(model, optimizer))
     if payload is None:
         return None
     model.load_state_dict(payload["model"])
@@ -786,27 +787,75 @@ def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimi
     if payload["hvdp"]["world_size"] == hvd.size():
         _set_rng_state(payload["rng"][hvd.rank()])
     if loader is not None:
-        if payload["hvdp"]["world_size"] != hvd.size() and position["step"]:
-            raise CheckpointError(
-                f"the checkpoint was taken mid-epoch with {payload['hvdp']['world_size']} ranks and this job "
-                f"has {hvd.size()}: its data position cannot be resharded exactly; resume with "
-                f"{payload['hvdp']['world_size']} ranks, or from an end-of-epoch checkpoint", rank=hvd.rank())
         loader.batch_sampler.set_position(position["epoch"], position["step"])
     return {"epoch": position["epoch"], "step": position["step"], "global_step": payload["hvdp"]["step"],
             **payload["extra"]}
 
 
-def _read(path: Path, model: torch.nn.Module) -> dict:
+def _read(path: Path, model: torch.nn.Module, resharding_data: bool) -> dict:
+    # Memory-mapped: the tensors are paged in from the file as they are streamed, not read into memory.
     try:
-        data = path.read_bytes()
-        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            payload = torch.load(path, map_location="cpu", weights_only=True)  # an old, non-zip file
+    except OSError:
+        raise
     except Exception as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}. The file is corrupt, "
                               f"truncated or not a PyTorch checkpoint; delete it to resume from an older one")
     if not isinstance(payload, dict):
         raise CheckpointError(f"{path} is not an hvdp checkpoint")
-    ckpt.check_meta(payload.get("hvdp"), path, framework="torch", model_fingerprint=_fingerprint(model))
+    meta = ckpt.check_meta(payload.get("hvdp"), path, framework="torch", model_fingerprint=_fingerprint(model))
+    if resharding_data and meta["world_size"] != hvd.size() and payload["position"]["step"]:
+        raise CheckpointError(
+            f"the checkpoint was taken mid-epoch with {meta['world_size']} ranks and this job has {hvd.size()}: "
+            f"its data position cannot be resharded exactly; resume with {meta['world_size']} ranks, or from an "
+            f"end-of-epoch checkpoint")
     return payload
+
+
+class _TorchArrays(_horovod.ArrayOps):
+    """CPU tensors for _horovod.broadcast_tree: their bytes, viewed as uint8, go through Horovod's broadcast."""
+
+    def is_array(self, x) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def describe(self, x):
+        return tuple(x.shape), x.dtype, x.numel() * x.element_size()
+
+    def empty(self, ref):
+        return torch.empty(ref.shape, dtype=ref.dtype)
+
+    def fits(self, x, ref) -> bool:
+        return (isinstance(x, torch.Tensor) and tuple(x.shape) == ref.shape and x.dtype == ref.dtype
+                and x.device.type == "cpu" and x.is_contiguous())
+
+    def as_bytes(self, x):
+        return x.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+    def broadcast(self, hvd_, buffer, name: str) -> None:
+        hvd_.broadcast_(torch.from_numpy(buffer), root_rank=0, name=name)
+
+
+_ARRAYS = _TorchArrays()
+
+
+def _into(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable:
+    """broadcast_tree's destinations for a checkpoint or an optimizer sync: the model's own tensors and the
+    optimizer's existing state, so that those arrive in place instead of as a second copy."""
+    params = model.state_dict() if model is not None else {}
+    state = optimizer.state_dict()["state"]
+
+    def into(path, ref):
+        if len(path) == 2 and path[0] == "model":
+            return params.get(path[1])
+        if len(path) == 4 and path[:2] == ("optimizer", "state"):
+            return state.get(path[2], {}).get(path[3])
+        return None
+    return into
 
 
 __all__ = ["init", "world", "prepare", "broadcast", "current_lr", "shard", "ShardSampler", "average",
