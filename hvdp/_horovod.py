@@ -74,6 +74,10 @@ def _thread_share(hvd, world: World) -> int:
     mine = cpu_share()
     if world.size == 1:
         return threads_per_rank(mine, [mine])
+    if elastic():
+        # Not a collective here: a worker that joins a running elastic job calls init() alone (the others
+        # are already training), so it would wait forever. Assume the local ranks share this rank's CPUs.
+        return threads_per_rank(mine, [mine] * world.local_size)
     host = socket.gethostname()
     everyone = hvd.allgather_object((host, mine), name="hvdp.cpus")
     return threads_per_rank(mine, [share for h, share in everyone if h == host])

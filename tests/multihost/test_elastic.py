@@ -37,6 +37,14 @@ def _wait(what: str, ready, job, out: list[str], timeout: float = 120) -> None:
         time.sleep(0.1)
 
 
+def _wait_end(job, out: list[str], timeout: float) -> int:
+    """The job's exit code; on a timeout the failure shows the job's output (where a hang is explained)."""
+    try:
+        return job.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the job did not end within {timeout}s:\n{''.join(out)[-5000:]}") from None
+
+
 def _kill_worker(cluster, host: str) -> int:
     """SIGKILL the training process on `host` (not its ssh session): a worker dying as in an OOM kill."""
     listed = subprocess.run(["ip", "netns", "pids", cluster.host(host).netns], capture_output=True, text=True)
@@ -79,7 +87,7 @@ def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_pat
               lambda: sum(r["size"] == 1 for r in _log(log)[killed_at:]) >= 10, job, out)
         # The host comes back: once its blacklist cool-down is over, the driver starts a worker there again.
         hosts.write_text("hosta:1\nhostb:1\n")
-        code = job.wait(timeout=240)
+        code = _wait_end(job, out, timeout=240)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
