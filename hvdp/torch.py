@@ -159,12 +159,12 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     multiplier = lr_multiplier(lr_scaling, hvd.size(), backward_passes_per_step=backward_passes_per_step, op=op)
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * multiplier
-    # A model prepared again (a new optimizer, a new k) must not keep the old ÷k hooks: they would compound.
+    # Each gradient is divided by k (k passes are averaged) and weighted at an epoch's uneven end (see
+    # _Batch). A model prepared again (a new optimizer, a new k) must not keep the old hooks: they would compound.
     for handle in getattr(model, "_hvdp_accumulation_hooks", ()):
         handle.remove()
-    model._hvdp_accumulation_hooks = [
-        p.register_hook(lambda g, k=backward_passes_per_step: g / k)
-        for p in model.parameters() if p.requires_grad] if backward_passes_per_step > 1 else []
+    model._hvdp_accumulation_hooks = [p.register_hook(_gradient_hook(backward_passes_per_step))
+                                      for p in model.parameters() if p.requires_grad]
     dist = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), compression=_COMPRESSIONS[compression],
         op=_OPS[op], backward_passes_per_step=backward_passes_per_step)
@@ -178,6 +178,39 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     dist.register_step_pre_hook(_pre_step_hook)
     dist.register_step_post_hook(_post_step_hook)
     return dist
+
+
+class _Batch:
+    """The batch of shard()'s loader being trained on, for prepare()'s gradient hooks.
+
+    Ranks average their mean gradients with equal weights, which is one process's step on the union batch
+    only when every batch is full. At an epoch's end (a partial last global batch, split unevenly or topped
+    up; a last step with fewer than k accumulated batches) each batch's gradient is multiplied by
+    ShardPlan.gradient_weight(), so that the step is exactly the one process's mean over its samples.
+    The loader sets `sampler` and `index` as it hands out each batch; the hooks ask for the factor.
+    """
+
+    sampler = None  # the ShardSampler of the batch handed out last, or None (a loader not from shard())
+    index = 0       # that batch's index in the sampler's iteration
+    _cached: tuple = (None, -1, 0, 1.0)
+
+    @classmethod
+    def factor(cls, passes: int) -> float:
+        if cls.sampler is None:
+            return 1.0
+        key = (cls.sampler, cls.index, passes)
+        if cls._cached[:3] != key:  # once per batch, not once per parameter
+            cls._cached = (*key, cls.sampler.gradient_weight(cls.index, passes))
+        return cls._cached[3]
+
+
+def _gradient_hook(passes: int) -> Callable:
+    def hook(grad):
+        weight = _Batch.factor(passes)
+        if weight == 1.0:
+            return grad / passes if passes > 1 else None  # None: the gradient as it is
+        return grad * (weight / passes)
+    return hook
 
 
 def _zero_grad(optimizer, set_to_none: bool = True):
@@ -380,6 +413,12 @@ class ShardSampler(torch.utils.data.Sampler):
         if self._running is not None:
             self._running[3] += batches
 
+    def gradient_weight(self, index: int, passes: int = 1) -> float:
+        """The weight of batch `index` of the iteration in progress when `passes` batches make one step
+        (ShardPlan.gradient_weight): 1.0 for a full step, size*passes*real/(the step's real samples) otherwise."""
+        offset = self._running[1] if self._running is not None else self.offset
+        return self.plan.gradient_weight(index, offset, passes)
+
     def _follow_world(self) -> None:
         """Re-split the data when an elastic reset changed this rank's place in the world."""
         if hvd.is_initialized() and (hvd.rank(), hvd.size()) != (self.plan.rank, self.plan.size):
@@ -416,7 +455,23 @@ def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool =
     # Its own generator: a DataLoader otherwise draws from the global RNG at every epoch start, which
     # would make a resumed run's dropout masks differ from an uninterrupted one's.
     loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed + w.rank))
-    return torch.utils.data.DataLoader(dataset, batch_sampler=ShardSampler(plan), **loader_kwargs)
+    return _ShardLoader(dataset, batch_sampler=ShardSampler(plan), **loader_kwargs)
+
+
+class _ShardLoader(torch.utils.data.DataLoader):
+    """shard()'s DataLoader: as it hands out each batch it tells prepare()'s gradient hooks which one it is
+    (_Batch), so that an epoch's uneven last step is weighted exactly. Workers prefetch ahead; what the
+    loop receives is the batch it trains on."""
+
+    def __iter__(self):
+        sampler = self.batch_sampler
+        try:
+            for index, batch in enumerate(super().__iter__()):
+                _Batch.sampler, _Batch.index = sampler, index
+                yield batch
+        finally:
+            if _Batch.sampler is sampler:
+                _Batch.sampler = None
 
 
 # ------------------------------------------------------------------------------------------ collectives

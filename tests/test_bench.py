@@ -54,6 +54,7 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     (["--np", "1"], "--np must be >= 2, got 1"),
     (["--frameworks", "torch,jax"], "--frameworks takes torch, tensorflow, got 'torch,jax'"),
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--skip-training", "--skip-allreduce"], "leave nothing to measure"),
 ])
 def test_bench_rejects_bad_arguments(args, message):
     proc = subprocess.run([str(BIN / "hvdp"), "bench", *args], capture_output=True, text=True, cwd=ROOT, env=env(),

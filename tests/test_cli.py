@@ -48,6 +48,18 @@ def test_verify_passes(args):
     verdict = _verdict(proc)
     assert proc.returncode == 0 and verdict["ok"], verdict
     assert verdict["size"] == 2 and verdict["max_abs_diff"] <= 1e-5 and verdict["replicas_identical"]
+    # by default the run ends with a short step the 2 ranks split unevenly (15 samples), compared too
+    assert verdict["leftover"] == 15 and verdict["steps"] == 6, verdict
+
+
+def test_verify_alone_with_a_short_last_accumulation():
+    # One rank, 3 batches per step, and the epoch's last step a single batch of 5 samples: that step's
+    # gradient must be its 5 samples' mean, not a third of it (as it was before).
+    proc = hvdp("verify", "--framework", "torch", "--np", "1", "--optimizer", "adam", "--accumulate", "3",
+                "--leftover", "5")
+    verdict = _verdict(proc)
+    assert proc.returncode == 0 and verdict["ok"], verdict
+    assert verdict["size"] == 1 and verdict["steps"] == 6 and verdict["max_abs_diff"] <= 1e-5, verdict
 
 
 def test_verify_catches_a_non_equivalent_model():
@@ -63,6 +75,10 @@ def test_verify_rejects_bad_arguments():
     assert proc.returncode == 2 and "--steps must be >= 1, got 0" in proc.stderr
     proc = hvdp("verify", "--model", "nocolon")
     assert proc.returncode != 0
+    proc = hvdp("verify", "--leftover", "-1")
+    assert proc.returncode == 2 and "--leftover must be >= 0, got -1" in proc.stderr
+    proc = hvdp("verify", "--framework", "keras", "--leftover", "3")
+    assert proc.returncode == 2 and "--leftover is for --framework torch only" in proc.stderr
 
 
 def test_cli_help_lists_commands():

@@ -151,6 +151,48 @@ class ShardPlan:
         start, stop = _split(len(chunk), self.size, self.rank)
         return chunk[start:stop]
 
+    def real_samples(self, step: int, offset: int = 0) -> int:
+        """How many of this rank's samples at `step` (counted from `offset`) are the epoch's own.
+
+        batch_size at a full global batch; this rank's share of a partial last one; 0 for a rank whose
+        batch only tops the last one up (it has fewer samples than ranks; see batch()).
+        """
+        left = self.n - offset
+        count = min(self.global_batch, left - step * self.global_batch)
+        if count == self.global_batch:
+            return self.batch_size
+        if count < self.size:
+            return 1 if self.rank < count else 0
+        start, stop = _split(count, self.size, self.rank)
+        return stop - start
+
+    def gradient_weight(self, step: int, offset: int = 0, passes: int = 1) -> float:
+        """The factor for this rank's mean gradient at `step` that makes the ranks' average exact.
+
+        An optimizer step averages, over the ranks and its `passes` accumulated batches, each batch's mean
+        gradient with the same weight. One process taking that step on the same samples weights every
+        sample alike. The two agree when every batch has batch_size samples; they differ at an epoch's
+        end: the last global batch is partial and split unevenly (or topped up with repeated samples),
+        and the last step may accumulate fewer than `passes` batches. Multiplying each batch's mean
+        gradient by size * passes * (its real samples) / (the step's real samples) makes the average the
+        mean over the step's samples, as one process computes it. Steps are grouped `passes` batches at a
+        time from `offset` (the loop steps after every `passes` batches and after the last).
+
+        Args:
+            step: the batch, counted from `offset`, as in batch().
+            offset: samples of the epoch order trained on before the iteration began (default 0).
+            passes: backward passes per optimizer step (default 1).
+
+        Returns:
+            Exactly 1.0 for every batch of a step of full batches; else the factor (0.0 for a top-up batch).
+        """
+        left = self.n - offset
+        first = step // passes * passes
+        last = min(first + passes, self.steps_for(left))
+        samples = min(left, last * self.global_batch) - first * self.global_batch
+        mine = self.size * passes * self.real_samples(step, offset)
+        return 1.0 if mine == samples else mine / samples
+
     def batches(self, epoch: int, start_step: int = 0, offset: int = 0):
         """Yield this rank's batches of `epoch` from `offset` samples in, skipping `start_step` steps.
 

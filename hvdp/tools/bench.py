@@ -51,7 +51,9 @@ def add_arguments(parser) -> None:
                         help="also record Horovod's timeline of the hvdp run here (Chrome trace)")
     parser.add_argument("--autotune", action="store_true",
                         help="also measure raw Horovod with horovodrun --autotune")
-    parser.add_argument("--skip-allreduce", action="store_true")
+    parser.add_argument("--skip-allreduce", action="store_true", help="measure training throughput only")
+    parser.add_argument("--skip-training", action="store_true",
+                        help="measure the all-reduce bandwidth only (every impl, side by side, against memcpy)")
 
 
 def _bin(name: str) -> str:
@@ -214,7 +216,10 @@ def run(args) -> int:
     report = {"date": datetime.date.today().isoformat(),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
               "hvdp_runtime_defaults": RUNTIME_DEFAULTS, "rounds": rounds}
-    for framework in frameworks:
+    if args.skip_training and args.skip_allreduce:
+        print("hvdp bench: --skip-training and --skip-allreduce together leave nothing to measure", file=sys.stderr)
+        return 2
+    for framework in ([] if args.skip_training else frameworks):
         result = {"framework": framework, "np": args.np, "threads": args.threads, "models": {}}
         for model in args.models.split(","):
             result["models"][model] = _train(framework, model, args, rounds, steps, raw_env)
@@ -318,6 +323,6 @@ def plot(report: dict, path: str) -> None:
     right.set_yticks(range(len(labels)), labels, fontsize=7)
     right.invert_yaxis()
     right.set_xlabel("samples/s per rank")
-    right.set_title(f"training, np={report['training']['np']}")
+    right.set_title(f"training, np={report['training']['np']}" if "training" in report else "training: not measured")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import json
 import platform
 import re
 import shutil
@@ -20,7 +21,7 @@ LAUNCH_VARS = re.compile(r"^(HOROVOD_|OMPI_COMM_WORLD_|PMI_|SLURM_(PROCID|NTASKS
 
 def add_arguments(parser) -> None:
     parser.add_argument("--no-build-check", action="store_true",
-                        help="skip `horovodrun --check-build` (it imports the frameworks: a few seconds)")
+                        help="skip the build check (it imports Horovod's torch and tensorflow modules: a few seconds)")
 
 
 def _version(dist: str) -> str | None:
@@ -76,13 +77,39 @@ def _mpi_version() -> str | None:
     return out.splitlines()[0].strip() if out else "unknown"
 
 
+# One probe per framework, each in its own process (a framework that fails to import, or crashes, takes only
+# its own answer with it); both run at once. `horovodrun --check-build` starts a process per question: 25 s.
+_PROBE = """
+import json, sys
+ext = __import__("horovod." + sys.argv[1], fromlist=["mpi_built"])
+print(json.dumps({k: bool(getattr(ext, k + "_built")()) for k in ("mpi", "gloo", "nccl", "ddl", "ccl")}))
+"""
+
+
 def check_build() -> dict[str, bool] | None:
-    """Parse `horovodrun --check-build` into {"PyTorch": True, "MPI": False, ...}; None if unavailable."""
-    exe = shutil.which("horovodrun") or str(Path(sys.executable).with_name("horovodrun"))
-    if not Path(exe).exists():
+    """What the installed Horovod was built with, as `horovodrun --check-build` lists it: {"TensorFlow": True,
+    "PyTorch": True, "MXNet": False, "MPI": True, "Gloo": True, "NCCL": False, ...}; None without Horovod."""
+    if _version("horovod") is None:
         return None
-    out = subprocess.run([exe, "--check-build"], capture_output=True, text=True, timeout=120).stdout
-    return {m.group(2).strip(): m.group(1) == "X" for m in re.finditer(r"\[(X| )\] (.+)", out)}
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    probes = {name: subprocess.Popen([sys.executable, "-c", _PROBE, module], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env=env)
+              for name, module in (("TensorFlow", "tensorflow"), ("PyTorch", "torch"))}
+    ops: dict[str, bool] = {}
+    built = {}
+    for name, proc in probes.items():
+        try:
+            out, _ = proc.communicate(timeout=120)
+            answer = json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 else None
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            proc.kill()
+            answer = None
+        built[name] = answer is not None
+        for k, v in (answer or {}).items():
+            ops[k] = ops.get(k, False) or v
+    built["MXNet"] = False  # hvdp builds no MXNet support
+    return {**built, **{label: ops.get(k, False) for k, label in
+                        (("mpi", "MPI"), ("gloo", "Gloo"), ("nccl", "NCCL"), ("ddl", "DDL"), ("ccl", "CCL"))}}
 
 
 def run(args) -> int:
@@ -157,3 +184,7 @@ def run(args) -> int:
     for p in problems:
         print(f"  - {p}")
     return 1 if problems else 0
+
+
+if __name__ == "__main__":  # `python -m hvdp.tools.doctor`: the build check alone (scripts/setup.sh)
+    print("  ".join(f"[{'X' if v else ' '}] {k}" for k, v in (check_build() or {}).items()))

@@ -28,7 +28,7 @@ def run(framework: str, **kw) -> dict:
 
 
 def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
-           factory=None, input_shape: tuple[int, ...] = (20,)) -> dict:
+           factory=None, input_shape: tuple[int, ...] = (20,), leftover: int | None = None) -> dict:
     import copy
 
     import torch
@@ -52,16 +52,22 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
             return torch.optim.Adam(params, lr=rate)
         return torch.optim.SGD(params, lr=rate, momentum=0.9)
 
-    n = steps * accumulate * world.size * batch_size
+    # `leftover` more samples: a last step of fewer than `accumulate` batches, its last global batch partial
+    # and split unevenly among the ranks (by default N*b - 1 samples: N ranks cannot split it evenly), which
+    # hvdp weights so that the step is one process's (ShardPlan.gradient_weight).
+    if leftover is None:
+        leftover = world.size * batch_size - 1 if world.size > 1 else 0
+    n = steps * accumulate * world.size * batch_size + leftover
     x, y = (torch.from_numpy(a) for a in synthetic_data(n, input_shape, classes, seed))
     # Rank 0's initial weights are what every rank holds after the broadcast in prepare().
     reference = copy.deepcopy(model) if world.rank == 0 else None
 
     dist = ht.prepare(model, make_optimizer(model.parameters(), lr), backward_passes_per_step=accumulate)
     loader = ht.shard(torch.utils.data.TensorDataset(x, y), batch_size=batch_size, seed=seed)
+    batches = len(loader)
     for i, (xb, yb) in enumerate(loader):
         F.cross_entropy(model(xb), yb).backward()
-        if (i + 1) % accumulate == 0:
+        if (i + 1) % accumulate == 0 or i + 1 == batches:
             dist.step()
             dist.zero_grad()
 
@@ -85,7 +91,8 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
                                                               reference.state_dict().values()))
     diff = ht.hvd.broadcast_object(diff, root_rank=0, name="hvdp.verify.diff")
     return {"rank": world.rank, "size": world.size, "framework": "torch", "optimizer": optimizer,
-            "steps": steps, "accumulate": accumulate, "max_abs_diff": diff, "replicas_identical": identical}
+            "steps": steps + (1 if leftover else 0), "accumulate": accumulate, "leftover": leftover,
+            "max_abs_diff": diff, "replicas_identical": identical}
 
 
 def _keras_setup(framework: str, *, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float,

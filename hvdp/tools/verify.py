@@ -32,6 +32,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps to compare (default 5)")
     parser.add_argument("--batch-size", type=int, default=8, help="per-rank batch b (default 8)")
     parser.add_argument("--accumulate", type=int, default=1, help="backward passes per step (default 1)")
+    parser.add_argument("--leftover", type=int, metavar="L",
+                        help="torch: L more samples, so that the last step is short and its last global batch "
+                             "partial, split unevenly among the ranks (default N*b - 1; 0 for whole steps only)")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--tolerance", type=float, default=1e-5, help="max |weight difference| allowed")
     parser.add_argument("--seed", type=int, default=0)
@@ -48,6 +51,13 @@ def run(args) -> int:
         if getattr(args, name) < 1:
             print(f"hvdp verify: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    if args.leftover is not None and args.leftover < 0:
+        print(f"hvdp verify: --leftover must be >= 0, got {args.leftover}", file=sys.stderr)
+        return 2
+    if args.leftover and args.framework != "torch":
+        print(f"hvdp verify: --leftover is for --framework torch only: hvdp.{args.framework}'s shard() does not "
+              f"weight an epoch's partial last batch yet, so that step is not exact there", file=sys.stderr)
+        return 2
     if args.worker or _launched():
         return _worker(args)
     horovodrun = shutil.which("horovodrun") or str(Path(sys.executable).with_name("horovodrun"))
@@ -67,6 +77,7 @@ def _forward(args) -> list[str]:
     out = ["--framework", args.framework, "--optimizer", args.optimizer, "--steps", str(args.steps),
            "--batch-size", str(args.batch_size), "--accumulate", str(args.accumulate), "--lr", str(args.lr),
            "--tolerance", str(args.tolerance), "--seed", str(args.seed), "--input-shape", args.input_shape]
+    out += ["--leftover", str(args.leftover)] if args.leftover is not None else []
     return out + (["--model", args.model] if args.model else [])
 
 
@@ -87,14 +98,17 @@ def _worker(args) -> int:
     from hvdp.tools import equivalence
     shape = tuple(int(d) for d in args.input_shape.split(","))
     factory = load_factory(args.model) if args.model else None
+    extra = {"leftover": args.leftover} if args.framework == "torch" else {}
     result = equivalence.run(args.framework, optimizer=args.optimizer, steps=args.steps,
                              batch_size=args.batch_size, accumulate=args.accumulate, lr=args.lr,
-                             seed=args.seed, factory=factory, input_shape=shape)
+                             seed=args.seed, factory=factory, input_shape=shape, **extra)
     ok = result["max_abs_diff"] <= args.tolerance and result["replicas_identical"]
     if result["rank"] == 0:
         verdict = "PASS" if ok else "FAIL"
+        tail = f" + a last step of {result['leftover']} samples" if result.get("leftover") else ""
         print(f"{result['size']} ranks x batch {args.batch_size} (x{args.accumulate} accumulated) vs 1 process x "
-              f"batch {result['size'] * args.batch_size * args.accumulate}, {args.optimizer}, {args.steps} steps: "
+              f"batch {result['size'] * args.batch_size * args.accumulate}, {args.optimizer}, {args.steps} "
+              f"steps{tail}: "
               f"max |dw| = {result['max_abs_diff']:.3g} (tolerance {args.tolerance:g}); replicas identical: "
               f"{result['replicas_identical']} -> {verdict}")
         print("verify: " + json.dumps({**result, "tolerance": args.tolerance, "ok": ok}, sort_keys=True), flush=True)

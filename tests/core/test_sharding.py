@@ -114,3 +114,38 @@ def test_eval_bounds_count_every_sample_once(n, size):
     assert covered == list(range(n))
     lengths = [hi - lo for lo, hi in bounds]
     assert max(lengths) - min(lengths) <= 1
+
+
+@pytest.mark.parametrize("n,b,size,passes,offset", [
+    (51, 4, 2, 1, 0),    # the last global batch holds 3 samples: split 2/1
+    (49, 4, 2, 1, 0),    # 1 sample for 2 ranks: rank 1's batch only tops it up
+    (103, 5, 3, 1, 0),   # 13 left for 3 ranks: 5/4/4
+    (100, 8, 4, 3, 0),   # 4 steps: the last accumulates 1 partial batch where 3 were expected
+    (90, 4, 2, 4, 0),    # 12 batches (the last partial), 4 per step: 4 steps
+    (98, 3, 2, 2, 17),   # resumed 17 samples into the epoch (a resized elastic world)
+    (96, 8, 4, 1, 0),    # divisible: every weight is exactly 1
+])
+def test_weighted_gradients_are_the_one_process_mean_at_every_step(n, b, size, passes, offset):
+    """Each sample has a 'gradient' (a number); a rank's batch gives its mean. The average over ranks and
+    accumulated batches, each weighted by gradient_weight(), must be the mean over the step's samples that
+    one process computes, at every step, the partial last one included."""
+    value = np.random.default_rng(0).standard_normal(n)
+    ps = plans(n, b, size, seed=2)
+    order = epoch_order(n, seed=2, epoch=0)[offset:]
+    steps = ps[0].steps_for(n - offset)
+    global_batch = b * size
+    for first in range(0, steps, passes):
+        batches = range(first, min(first + passes, steps))
+        average = sum(p.gradient_weight(j, offset, passes) * value[p.batch(0, j, offset=offset)].mean()
+                      for p in ps for j in batches) / (size * passes)
+        samples = order[first * global_batch:min(len(order), (batches[-1] + 1) * global_batch)]
+        assert average == pytest.approx(value[samples].mean(), rel=1e-12), (first, list(batches))
+    full = [p.gradient_weight(j, offset, passes) for p in ps for j in range(steps)
+            if (j // passes + 1) * passes * global_batch <= n - offset]
+    assert set(full) <= {1.0}, "a step of full batches must keep every gradient as it is"
+
+
+def test_a_top_up_batch_weighs_nothing():
+    ps = plans(49, 4, 2, seed=0)  # step 6 holds one real sample, on rank 0
+    assert [p.real_samples(6) for p in ps] == [1, 0]
+    assert [p.gradient_weight(6) for p in ps] == [2.0, 0.0]

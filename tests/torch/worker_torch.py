@@ -35,10 +35,13 @@ def expect(error, fn, match: str):
 
 # ------------------------------------------------------------------------------------------ equivalence
 
-def _equivalent(optimizer, accumulate):
+def _equivalent(optimizer, accumulate, leftover=None):
+    # leftover None: the default, N*b - 1 samples more, so that the epoch ends with a short step whose last
+    # global batch N ranks split unevenly (none at np=1)
     r = equivalence.run("torch", optimizer=optimizer, steps=4, batch_size=8, accumulate=accumulate,
-                        lr=0.02, seed=3)
+                        lr=0.02, seed=3, leftover=leftover)
     assert r["size"] == world.size
+    assert r["leftover"] == (leftover if leftover is not None else 15 if world.size == 2 else 0), r
     assert r["replicas_identical"], r
     assert r["max_abs_diff"] <= 1e-5, r
 
@@ -61,6 +64,23 @@ def equivalence_sgd_accumulate(tmp):
 @check
 def equivalence_adam_accumulate(tmp):
     _equivalent("adam", 2)
+
+
+@check
+def equivalence_whole_steps_only(tmp):
+    _equivalent("sgd", 1, leftover=0)
+
+
+@check
+def equivalence_top_up_batch(tmp):
+    # 1 sample left for 2 ranks: rank 1's batch repeats a sample of the epoch and must weigh nothing
+    _equivalent("sgd", 1, leftover=1)
+
+
+@check
+def equivalence_short_accumulation_with_partial_batch(tmp):
+    # 3 batches per step; the last step has 2 full global batches and one of 5 samples (3/2 at np=2)
+    _equivalent("adam", 3, leftover=2 * 8 * world.size + 5)
 
 
 # ----------------------------------------------------------------------------------------- replicas
@@ -123,6 +143,39 @@ def replicas_bit_identical_after_every_step(tmp):
         F.cross_entropy(model(x), y).backward()
         opt.step()
         ht.check_consistency(model)
+
+
+@check
+def amp_recipe_autocast_and_grad_scaler(tmp):
+    # issue 14: docs/pytorch.md's AMP recipe. The scaler unscales after the all-reduce, so every rank sees the
+    # same averaged gradient: an overflow on one rank only makes every rank skip that step, and the scales
+    # stay equal. Under autocast (bf16 and fp16) the weights stay float32 and the replicas bit-identical.
+    for dtype in (torch.bfloat16, torch.float16):
+        model = _model(seed=world.rank)
+        opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        torch.manual_seed(7 + world.rank)
+        moved = []
+        for i, (x, y) in enumerate(ht.shard(_data(), batch_size=8)):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=dtype):
+                loss = F.cross_entropy(model(x), y)
+            if i == 3 and world.rank == world.size - 1:
+                loss = loss * float("inf")  # this rank alone overflows
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.scale(loss).backward()
+            opt.synchronize()                  # the all-reduce first ...
+            scaler.unscale_(opt)               # ... then unscale (and clip) the averaged gradient
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with opt.skip_synchronize():
+                scaler.step(opt)               # skipped on every rank if any rank overflowed
+            scaler.update()
+            moved.append(not all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+            ht.check_consistency(model)
+        assert moved[3] is False and all(moved[:3]) and all(moved[4:]), (dtype, moved)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        scales = hvd.allgather_object(scaler.get_scale(), name=f"amp.scale.{dtype}")
+        assert len(set(scales)) == 1 and scales[0] < 2.0 ** 10, scales  # lowered once, alike everywhere
 
 
 @check
