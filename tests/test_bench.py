@@ -11,7 +11,8 @@ from tests.launch import BIN, ROOT, env
 
 def test_bench_quick_writes_json_and_png(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    proc = subprocess.run([str(BIN / "hvdp"), "bench", "--quick", "--models", "cnn", "--frameworks", "torch,tensorflow",
+    proc = subprocess.run([str(BIN / "hvdp"), "bench", "--quick", "--steps", "2", "--models", "cnn",
+                           "--frameworks", "torch,tensorflow",
                            "--json", str(out), "--plot", str(png)],
                           capture_output=True, text=True, cwd=ROOT, env=env(), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -25,6 +26,7 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     assert cnn["independent_samples_per_sec_per_rank"] > 0
     assert cnn["fraction_of_independent"]["hvdp"] == (cnn["samples_per_sec_per_rank"]["hvdp"]
                                                       / cnn["independent_samples_per_sec_per_rank"])
+    assert report["steps_per_repetition"] == 2
     assert report["rounds"] == 1 and cnn["ratios_per_round"]["hvdp_vs_ddp"] == [training["hvdp_vs_ddp"]]
     assert training["hvdp_vs_ddp"] == training["samples_per_sec"]["hvdp"] / training["samples_per_sec"]["ddp"]
 
@@ -54,6 +56,7 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     (["--np", "1"], "--np must be >= 2, got 1"),
     (["--frameworks", "torch,jax"], "--frameworks takes torch, tensorflow, got 'torch,jax'"),
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--skip-training", "--skip-allreduce"], "leave nothing to measure"),
 ])
 def test_bench_rejects_bad_arguments(args, message):

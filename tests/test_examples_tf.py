@@ -13,8 +13,8 @@ def _result(proc):
     return result_line(proc.stdout)
 
 
-@pytest.mark.parametrize("launcher", ["mpi", "gloo"])
-@pytest.mark.parametrize("framework", ["keras", "tensorflow"])
+# Each example under one launcher: both adapters run under MPI and Gloo in tests/tensorflow/test_tf.py.
+@pytest.mark.parametrize("framework,launcher", [("keras", "mpi"), ("tensorflow", "gloo")])
 def test_example_reaches_accuracy(framework, launcher):
     result = _result(run(launcher, SCRIPTS[framework], timeout=300, extra_env=QUIET))
     assert result["framework"] == framework and result["world_size"] == 2

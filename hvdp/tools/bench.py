@@ -36,6 +36,8 @@ ALLREDUCE_IMPLS = ("hvdp-mpi", "horovod-mpi", "hvdp-gloo", "torch-gloo", "mpi4py
 def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and sizes, one round: about 3 minutes here")
     parser.add_argument("--np", type=int, default=2, help="ranks for the distributed runs (default 2)")
+    parser.add_argument("--steps", type=int,
+                        help="timed training steps per repetition (3 repetitions per run; default 30, 10 with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="torch/TF threads per rank, for every impl")
     parser.add_argument("--models", default="cnn,mlp", help="comma-separated: cnn (compute-bound), mlp (6.4M)")
     parser.add_argument("--frameworks",
@@ -207,15 +209,18 @@ def run(args) -> int:
     if rounds < 1:
         print(f"hvdp bench: --rounds must be >= 1, got {rounds}", file=sys.stderr)
         return 2
-    steps = ["--warmup", "3", "--steps", "10", "--reps", "3"] if args.quick else \
-            ["--warmup", "10", "--steps", "30", "--reps", "3"]
+    n_steps = args.steps if args.steps is not None else (10 if args.quick else 30)
+    if n_steps < 1:
+        print(f"hvdp bench: --steps must be >= 1, got {n_steps}", file=sys.stderr)
+        return 2
+    steps = ["--warmup", "3" if args.quick else "10", "--steps", str(n_steps), "--reps", "3"]
     base_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH_DIR.parent), os.environ.get("PYTHONPATH", "")]),
                     PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS=str(args.threads))
     raw_env = {k: v for k, v in base_env.items() if k not in RUNTIME_DEFAULTS}  # Horovod's own defaults
 
     report = {"date": datetime.date.today().isoformat(),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-              "hvdp_runtime_defaults": RUNTIME_DEFAULTS, "rounds": rounds}
+              "hvdp_runtime_defaults": RUNTIME_DEFAULTS, "rounds": rounds, "steps_per_repetition": n_steps}
     if args.skip_training and args.skip_allreduce:
         print("hvdp bench: --skip-training and --skip-allreduce together leave nothing to measure", file=sys.stderr)
         return 2
