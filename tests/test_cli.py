@@ -62,6 +62,17 @@ def test_verify_alone_with_a_short_last_accumulation():
     assert verdict["size"] == 1 and verdict["steps"] == 6 and verdict["max_abs_diff"] <= 1e-5, verdict
 
 
+def test_verify_a_compiled_model_under_autocast():
+    # The ranks train hvdp.torch.compile(model) (graph split into pieces, each compiled by inductor) under
+    # bf16 autocast; the one process runs eager under the same autocast. The default tolerance is bf16's.
+    proc = hvdp("verify", "--framework", "torch", "--np", "2", "--compile", "inductor", "--amp", "bf16")
+    verdict = _verdict(proc)
+    assert proc.returncode == 0 and verdict["ok"] and verdict["replicas_identical"], verdict
+    assert verdict["compile"] == "inductor" and verdict["amp"] == "bf16" and verdict["tolerance"] == 1e-3, verdict
+    assert 0 < verdict["max_abs_diff"] <= 1e-3, verdict  # 0 would mean both sides ran in fp32
+    assert "compiled (inductor), autocast bf16" in proc.stdout
+
+
 def test_verify_catches_a_non_equivalent_model():
     # Per-rank BatchNorm statistics differ from the big batch's: verify must say so and exit non-zero.
     proc = hvdp("verify", "--framework", "torch", "--np", "2", "--model", "tests.fixtures.models:with_batchnorm")
@@ -79,6 +90,11 @@ def test_verify_rejects_bad_arguments():
     assert proc.returncode == 2 and "--leftover must be >= 0, got -1" in proc.stderr
     proc = hvdp("verify", "--framework", "keras", "--leftover", "3")
     assert proc.returncode == 2 and "--leftover is for --framework torch only" in proc.stderr
+    for flag, value in (("--compile", "inductor"), ("--amp", "fp16")):
+        proc = hvdp("verify", "--framework", "tensorflow", flag, value)
+        assert proc.returncode == 2 and f"{flag} is for --framework torch only" in proc.stderr, proc.stderr
+    proc = hvdp("verify", "--amp", "fp8")
+    assert proc.returncode == 2 and "invalid choice: 'fp8'" in proc.stderr
 
 
 def test_cli_help_lists_commands():

@@ -28,7 +28,11 @@ def run(framework: str, **kw) -> dict:
 
 
 def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
-           factory=None, input_shape: tuple[int, ...] = (20,), leftover: int | None = None) -> dict:
+           factory=None, input_shape: tuple[int, ...] = (20,), leftover: int | None = None,
+           compile: str | None = None, amp: str | None = None) -> dict:
+    """`compile`: the ranks train hvdp.torch.compile(model, backend=compile), the reference stays eager.
+    `amp` ("bf16" or "fp16"): both sides run the forward pass under torch.autocast of that dtype, fp16 with
+    a GradScaler (the recipe of docs/pytorch.md: unscale after the all-reduce)."""
     import copy
 
     import torch
@@ -62,13 +66,30 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     # Rank 0's initial weights are what every rank holds after the broadcast in prepare().
     reference = copy.deepcopy(model) if world.rank == 0 else None
 
+    dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+
+    def loss_of(module, xb, yb):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            return F.cross_entropy(module(xb), yb)
+
+    def scaler():  # fp16 gradients underflow without loss scaling; bf16 and fp32 need none
+        return torch.amp.GradScaler("cpu", enabled=amp == "fp16")
+
     dist = ht.prepare(model, make_optimizer(model.parameters(), lr), backward_passes_per_step=accumulate)
+    forward = ht.compile(model, backend=compile) if compile else model
     loader = ht.shard(torch.utils.data.TensorDataset(x, y), batch_size=batch_size, seed=seed)
-    batches = len(loader)
+    batches, scale = len(loader), scaler()
     for i, (xb, yb) in enumerate(loader):
-        F.cross_entropy(model(xb), yb).backward()
+        scale.scale(loss_of(forward, xb, yb)).backward()
         if (i + 1) % accumulate == 0 or i + 1 == batches:
-            dist.step()
+            if scale.is_enabled():
+                dist.synchronize()  # the all-reduce first, then unscale: every rank sees the same inf/NaN
+                scale.unscale_(dist)
+                with dist.skip_synchronize():
+                    scale.step(dist)
+                scale.update()
+            else:
+                dist.step()
             dist.zero_grad()
 
     try:
@@ -82,16 +103,19 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
         ref_opt = make_optimizer(reference.parameters(), lr * lr_multiplier(
             "linear", world.size, backward_passes_per_step=accumulate))
         plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed)
+        ref_scale = scaler()
         for idx in plan.batches(epoch=0):
             idx = torch.from_numpy(idx)
-            F.cross_entropy(reference(x[idx]), y[idx]).backward()
-            ref_opt.step()
+            ref_scale.scale(loss_of(reference, x[idx], y[idx])).backward()
+            ref_scale.step(ref_opt)
+            ref_scale.update()
             ref_opt.zero_grad()
         diff = max(float((a - b).abs().max()) for a, b in zip(model.state_dict().values(),
                                                               reference.state_dict().values()))
     diff = ht.hvd.broadcast_object(diff, root_rank=0, name="hvdp.verify.diff")
     return {"rank": world.rank, "size": world.size, "framework": "torch", "optimizer": optimizer,
             "steps": steps + (1 if leftover else 0), "accumulate": accumulate, "leftover": leftover,
+            "compile": compile, "amp": amp,
             "max_abs_diff": diff, "replicas_identical": identical}
 
 

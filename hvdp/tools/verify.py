@@ -18,6 +18,12 @@ from pathlib import Path
 
 FRAMEWORKS = ("torch", "tensorflow", "keras")
 OPTIMIZERS = ("sgd", "adam")
+TOLERANCE = 1e-5
+# Under autocast the two sides round differently: one process's matmul over N*b samples against N matmuls
+# over b, each rounded to the low precision, then averaged. Measured on the default model (5 steps and a
+# short one, np=2): bf16 8.5e-5, fp16 9.3e-6 (fp32 1.5e-8); the defaults leave a factor of about 10, and a
+# real mistake (an unscaled learning rate, a wrong weight) moves the weights by 1e-2 or more.
+AMP_TOLERANCE = {"bf16": 1e-3, "fp16": 1e-4}
 
 
 def add_arguments(parser) -> None:
@@ -35,8 +41,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--leftover", type=int, metavar="L",
                         help="torch: L more samples, so that the last step is short and its last global batch "
                              "partial, split unevenly among the ranks (default N*b - 1; 0 for whole steps only)")
+    parser.add_argument("--compile", metavar="BACKEND",
+                        help="torch: the ranks train hvdp.torch.compile(model, backend=BACKEND), e.g. inductor; "
+                             "the one process stays eager")
+    parser.add_argument("--amp", choices=AMP_TOLERANCE,
+                        help="torch: both sides under torch.autocast of this dtype (fp16 with a GradScaler)")
     parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--tolerance", type=float, default=1e-5, help="max |weight difference| allowed")
+    parser.add_argument("--tolerance", type=float,
+                        help="max |weight difference| allowed (default 1e-5; with --amp " +
+                             ", ".join(f"{k} {v:g}" for k, v in AMP_TOLERANCE.items()) + ")")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", action="store_true", help=argparse_suppress())
 
@@ -58,6 +71,12 @@ def run(args) -> int:
         print(f"hvdp verify: --leftover is for --framework torch only: hvdp.{args.framework}'s shard() does not "
               f"weight an epoch's partial last batch yet, so that step is not exact there", file=sys.stderr)
         return 2
+    for name in ("compile", "amp"):
+        if getattr(args, name) and args.framework != "torch":
+            print(f"hvdp verify: --{name} is for --framework torch only", file=sys.stderr)
+            return 2
+    if args.tolerance is None:
+        args.tolerance = AMP_TOLERANCE[args.amp] if args.amp else TOLERANCE
     if args.worker or _launched():
         return _worker(args)
     horovodrun = shutil.which("horovodrun") or str(Path(sys.executable).with_name("horovodrun"))
@@ -78,6 +97,8 @@ def _forward(args) -> list[str]:
            "--batch-size", str(args.batch_size), "--accumulate", str(args.accumulate), "--lr", str(args.lr),
            "--tolerance", str(args.tolerance), "--seed", str(args.seed), "--input-shape", args.input_shape]
     out += ["--leftover", str(args.leftover)] if args.leftover is not None else []
+    out += ["--compile", args.compile] if args.compile else []
+    out += ["--amp", args.amp] if args.amp else []
     return out + (["--model", args.model] if args.model else [])
 
 
@@ -98,7 +119,7 @@ def _worker(args) -> int:
     from hvdp.tools import equivalence
     shape = tuple(int(d) for d in args.input_shape.split(","))
     factory = load_factory(args.model) if args.model else None
-    extra = {"leftover": args.leftover} if args.framework == "torch" else {}
+    extra = {"leftover": args.leftover, "compile": args.compile, "amp": args.amp} if args.framework == "torch" else {}
     result = equivalence.run(args.framework, optimizer=args.optimizer, steps=args.steps,
                              batch_size=args.batch_size, accumulate=args.accumulate, lr=args.lr,
                              seed=args.seed, factory=factory, input_shape=shape, **extra)
@@ -106,6 +127,8 @@ def _worker(args) -> int:
     if result["rank"] == 0:
         verdict = "PASS" if ok else "FAIL"
         tail = f" + a last step of {result['leftover']} samples" if result.get("leftover") else ""
+        tail += f", compiled ({result['compile']})" if result.get("compile") else ""
+        tail += f", autocast {result['amp']}" if result.get("amp") else ""
         print(f"{result['size']} ranks x batch {args.batch_size} (x{args.accumulate} accumulated) vs 1 process x "
               f"batch {result['size'] * args.batch_size * args.accumulate}, {args.optimizer}, {args.steps} "
               f"steps{tail}: "
