@@ -14,6 +14,7 @@ from hvdp.core.config import TrainConfig
 from hvdp.core.errors import (
     CheckpointError,
     ConfigError,
+    DataError,
     DivergenceError,
     HvdpError,
     NonFiniteLossError,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "DataError",
     "DivergenceError",
     "HvdpError",
     "NonFiniteLossError",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import itertools
 import math
 import os
 import random
@@ -39,9 +40,10 @@ import torch.utils.data
 from hvdp import _horovod
 from hvdp.core import checkpoint as ckpt
 from hvdp.core import consistency
-from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError, SetupError
+from hvdp.core.errors import (CheckpointError, ConfigError, DataError, DivergenceError, HvdpError, NonFiniteLossError,
+                              SetupError)
 from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
-from hvdp.core.sharding import ShardPlan, eval_bounds
+from hvdp.core.sharding import ShardPlan, StreamSplit, eval_bounds, exact_weight, real_count
 from hvdp.core.watchdog import WAITING
 from hvdp.core.world import World, elastic
 
@@ -164,6 +166,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     # _Batch). A model prepared again (a new optimizer, a new k) must not keep the old hooks: they would compound.
     for handle in getattr(model, "_hvdp_accumulation_hooks", ()):
         handle.remove()
+    _Batch.lookahead = max(_Batch.lookahead, backward_passes_per_step)
     model._hvdp_accumulation_hooks = [p.register_hook(_gradient_hook(backward_passes_per_step))
                                       for p in model.parameters() if p.requires_grad]
     dist = hvd.DistributedOptimizer(
@@ -191,8 +194,9 @@ class _Batch:
     The loader sets `sampler` and `index` as it hands out each batch; the hooks ask for the factor.
     """
 
-    sampler = None  # the ShardSampler of the batch handed out last, or None (a loader not from shard())
+    sampler = None  # the ShardSampler (or a stream's _StreamSteps) of the batch handed out last, or None
     index = 0       # that batch's index in the sampler's iteration
+    lookahead = 1   # the largest backward_passes_per_step prepared: how far a stream's loader reads ahead
     _cached: tuple = (None, -1, 0, 1.0)
 
     @classmethod
@@ -479,7 +483,8 @@ class ShardSampler(torch.utils.data.Sampler):
 
 
 def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool = True, seed: int = 0,
-          drop_last: bool = False, **loader_kwargs: Any) -> torch.utils.data.DataLoader:
+          drop_last: bool = False, transform: Callable | None = None,
+          **loader_kwargs: Any) -> torch.utils.data.DataLoader:
     """A DataLoader over this rank's share of `dataset`; `batch_size` is per rank.
 
     The epoch order depends only on (seed, epoch); ranks get disjoint slices of each global batch, so
@@ -487,22 +492,51 @@ def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool =
     over the loader is the next epoch (no set_epoch to forget); every rank gets the same number of batches.
     Calls init() if Horovod is not initialised yet.
 
+    A stream (a torch IterableDataset: WebDataset, a Hugging Face streaming dataset, a database cursor) is
+    split the same way with the stream's own order as the epoch order: every rank and loader worker reads
+    the whole stream, keeps its part, and applies `transform` to that part only. The ranks agree every few
+    batches on how far their streams went, so all take the same number of steps, and a stream that ends
+    early or differs on one rank is a DataError on every rank instead of a hang. Each iteration calls the
+    dataset's set_epoch(epoch) if it has one (its shuffle per epoch); hvdp cannot reorder a stream. Resuming
+    mid-epoch reads the stream again from its start and drops the steps already trained on.
+
     Args:
-        dataset: a map-style dataset (len() and indexing).
+        dataset: a map-style dataset (len() and indexing), or a torch IterableDataset whose every copy yields
+            the whole stream in the same order on every rank (do not split it by rank or worker yourself).
         batch_size: samples per rank per batch, from 1 to len(dataset) // size.
-        shuffle: a new order every epoch (default True); False keeps the dataset's order.
+        shuffle: a new order every epoch (default True); False keeps the dataset's order. A stream keeps
+            its own order (shuffle it in the stream, by epoch through set_epoch).
         seed: the seed of the epoch order (default 0); the same on every rank.
         drop_last: drop the last, partial global batch of each epoch (default False: split it evenly).
+        transform: a stream's function applied to each of this rank's elements after the split, in the
+            loader workers (decoding, augmentation: the elements of other ranks are never transformed);
+            default None. A map-style dataset transforms in its __getitem__ (it reads only this rank's).
         loader_kwargs: passed to torch.utils.data.DataLoader (num_workers, collate_fn, pin_memory...), but
-            not batch_size, shuffle or sampler; `generator` defaults to one seeded with seed + rank.
+            not batch_size, shuffle or sampler; `generator` defaults to one seeded with seed + rank. A stream
+            refuses persistent_workers=True (the workers would keep the first epoch's position).
 
     Returns:
-        A DataLoader whose batch_sampler is a ShardSampler.
+        A DataLoader whose batch_sampler is a ShardSampler; for a stream, one that yields this rank's
+        collated batches (its len() is known when the dataset has a len()).
 
     Raises:
-        ConfigError: batch_size < 1, fewer samples than ranks, or batch_size larger than each rank's share.
+        ConfigError: batch_size < 1, fewer samples than ranks, or batch_size larger than each rank's share;
+            a map-style dataset without len(); `transform` with a map-style dataset; persistent_workers with
+            a stream. For a stream the sample counts are checked as it is read, on every rank.
     """
     w = world() if hvd.is_initialized() else init()
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return _stream(dataset, StreamSplit(batch_size=batch_size, rank=w.rank, size=w.size, drop_last=drop_last),
+                       transform, seed, loader_kwargs)
+    if transform is not None:
+        raise ConfigError("shard(transform=...) is for a stream (a torch IterableDataset); a map-style dataset "
+                          "transforms in its __getitem__, which reads only this rank's samples")
+    try:
+        len(dataset)
+    except TypeError:
+        raise ConfigError(f"shard() needs len(dataset) for a map-style dataset; {type(dataset).__name__} has "
+                          f"none: give it a __len__, or make it a torch.utils.data.IterableDataset (a stream)",
+                          rank=w.rank) from None
     plan = ShardPlan(n=len(dataset), batch_size=batch_size, rank=w.rank, size=w.size, seed=seed,
                      shuffle=shuffle, drop_last=drop_last)
     # Its own generator: a DataLoader otherwise draws from the global RNG at every epoch start, which
@@ -517,14 +551,163 @@ class _ShardLoader(torch.utils.data.DataLoader):
     loop receives is the batch it trains on."""
 
     def __iter__(self):
-        sampler = self.batch_sampler
+        yield from _handing_out(self.batch_sampler, enumerate(super().__iter__()))
+
+    def set_position(self, epoch: int, step: int = 0) -> None:
+        """Make the next iteration run `epoch` from batch `step` (load_checkpoint calls it)."""
+        self.batch_sampler.set_position(epoch, step)
+
+
+def _handing_out(sampler, batches):
+    """Yield each (index, batch)'s batch, telling prepare()'s gradient hooks which one it is (_Batch)."""
+    try:
+        for index, batch in batches:
+            _Batch.sampler, _Batch.index = sampler, index
+            yield batch
+    finally:
+        if _Batch.sampler is sampler:
+            _Batch.sampler = None
+
+
+# A stream's ranks agree on how far they have read once per this many batches (one small allgather).
+_STREAM_WINDOW = 8
+
+
+def _stream(dataset, split: StreamSplit, transform, seed: int, loader_kwargs: dict) -> torch.utils.data.DataLoader:
+    for name in ("batch_size", "shuffle", "sampler", "batch_sampler"):
+        if name in loader_kwargs:
+            raise ConfigError(f"shard() of a stream sets the DataLoader's {name} itself; leave it out")
+    if loader_kwargs.get("persistent_workers"):
+        raise ConfigError("shard() of a stream refuses persistent_workers=True: the workers would keep the first "
+                          "epoch's position (each epoch starts the stream's workers again); leave it out")
+    collate = loader_kwargs.pop("collate_fn", None) or torch.utils.data.default_collate
+    loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed + split.rank))
+    return _StreamLoader(_RankStream(dataset, split, transform, collate), **loader_kwargs)
+
+
+def _as_is(item):
+    return item
+
+
+class _RankStream(torch.utils.data.IterableDataset):
+    """What each loader worker iterates: this rank's batches of the stream (StreamSplit.batches), its
+    elements transformed and collated, each with (step, count)."""
+
+    def __init__(self, dataset, split: StreamSplit, transform, collate):
+        self.dataset, self.split, self.transform, self.collate = dataset, split, transform, collate
+        self.start_step = 0
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for step, elements, count in self.split.batches(self.dataset, start_step=self.start_step, worker=worker,
+                                                        workers=workers):
+            if self.transform is not None:
+                elements = [self.transform(e) for e in elements]
+            yield self.collate(elements), (step, count)
+
+
+class _StreamSteps:
+    """The global sample counts of a stream iteration's batches, for prepare()'s gradient hooks (_Batch)."""
+
+    def __init__(self, split: StreamSplit):
+        self.split, self.counts = split, []
+
+    def gradient_weight(self, index: int, passes: int = 1) -> float:
+        first = index // passes * passes
+        samples = sum(self.counts[first:first + passes])
+        return exact_weight(real_count(self.counts[index], self.split.batch_size, self.split.size, self.split.rank),
+                            samples, self.split.size, passes)
+
+
+class _StreamLoader(torch.utils.data.DataLoader):
+    """shard()'s DataLoader of a stream: its workers yield this rank's batches (_RankStream); here they are
+    read ahead a window at a time, the ranks agree on each window's sample counts (so a rank whose stream
+    ended early raises on every rank instead of leaving the others in an all-reduce), and each batch is
+    handed out with its gradient weight known."""
+
+    def __init__(self, stream: _RankStream, **kwargs):
+        super().__init__(stream, batch_size=None, collate_fn=_as_is, **kwargs)
+        self.epoch, self.start_step = 0, 0
+        self._last_steps = None  # batches the previous iteration had (a one-shot stream has none after it)
+
+    def set_position(self, epoch: int, step: int = 0) -> None:
+        """Make the next iteration run `epoch` from batch `step` (load_checkpoint calls it)."""
+        self.epoch, self.start_step = int(epoch), int(step)
+
+    def __len__(self) -> int:
         try:
-            for index, batch in enumerate(super().__iter__()):
-                _Batch.sampler, _Batch.index = sampler, index
-                yield batch
-        finally:
-            if _Batch.sampler is sampler:
-                _Batch.sampler = None
+            n = len(self.dataset.dataset)
+        except TypeError:
+            raise TypeError(f"this stream ({type(self.dataset.dataset).__name__}) has no len(), so neither has "
+                            f"its loader: count the batches as they come") from None
+        split = self.dataset.split
+        left = max(0, n - self.start_step * split.global_batch)
+        full, rest = divmod(left, split.global_batch)
+        return full + (1 if rest and not split.drop_last else 0)
+
+    def __iter__(self):
+        epoch, start = self.epoch, self.start_step
+        self.epoch, self.start_step = epoch + 1, 0
+        if hasattr(self.dataset.dataset, "set_epoch"):
+            self.dataset.dataset.set_epoch(epoch)
+        self.dataset.start_step = start  # the workers take a copy of it as the iteration starts them
+        steps = _StreamSteps(self.dataset.split)
+        yield from _handing_out(steps, self._batches(steps, super().__iter__(), epoch, start))
+
+    def _batches(self, steps: _StreamSteps, source, epoch: int, start: int):
+        window = max(_STREAM_WINDOW, _Batch.lookahead)
+        ready, ended, index = [], False, 0
+        while True:
+            # read ahead until the step group of the next batch is known (its gradient weights need it)
+            group_end = (index // _Batch.lookahead + 1) * _Batch.lookahead
+            while not ended and len(steps.counts) < group_end:
+                read = list(itertools.islice(source, window))
+                ended = len(read) < window
+                self._agree(read, ended, window, epoch, start, len(steps.counts))
+                ready += [batch for batch, _ in read]
+                steps.counts += [count for _, (_, count) in read]
+            if index == len(steps.counts):
+                self._last_steps = index
+                return
+            yield index, ready[0]
+            ready.pop(0)
+            index += 1
+
+    def _agree(self, read: list, ended: bool, window: int, epoch: int, start: int, before: int) -> None:
+        """Compare this window's reads across the ranks; raise the same error on every rank if they differ."""
+        split = self.dataset.split
+        counts = [count for _, (_, count) in read]
+        row = torch.tensor([[len(read), int(ended)] + counts + [-1] * (window - len(read))], dtype=torch.int64)
+        rows = hvd.allgather(row, name="hvdp.stream").tolist() if split.size > 1 else row.tolist()
+        at = f"epoch {epoch}, step {start + before}"
+        if any(r != rows[0] for r in rows):
+            lengths = {rank: r[0] for rank, r in enumerate(rows)}
+            short = min(lengths.values())
+            if len(set(lengths.values())) > 1:
+                early = sorted(rank for rank, n in lengths.items() if n == short)
+                what = (f"the stream of rank(s) {early} ended after {start + before + short} steps of epoch {epoch}, "
+                        f"while other ranks read on")
+            else:
+                odd = sorted(rank for rank, r in enumerate(rows) if r != rows[0])
+                what = f"rank(s) {odd} read other sample counts than rank 0 near {at}"
+            raise DataError(f"{what}: every rank reads the whole stream and keeps its part, so every rank's dataset "
+                            f"must yield the same elements in the same order (the same files, the same seeded "
+                            f"shuffle; not split by rank or by DataLoader worker itself)", rank=split.rank)
+        if before == 0 and not read:
+            if start:
+                why = (f"nothing is left at the resume position ({at}): the stream ended before that step, or it "
+                       f"does not start over when iterated again")
+            elif self._last_steps:
+                why = (f"the stream yielded nothing in epoch {epoch} after {self._last_steps} steps in the epoch "
+                       f"before: it does not start over when iterated again (a generator or a cursor can be read "
+                       f"once); give shard() a dataset whose __iter__ reads the stream from its start")
+            else:
+                why = f"the stream yielded no samples in epoch {epoch}"
+            raise DataError(why, rank=split.rank)
+        if before == 0 and start == 0 and counts[0] < split.size:
+            raise ConfigError(f"the stream has {counts[0]} samples but the job has {split.size} ranks: every rank "
+                              f"needs at least one sample; use more data or fewer ranks", rank=split.rank)
 
 
 # ------------------------------------------------------------------------------------------ collectives
@@ -699,6 +882,9 @@ class ElasticState(ObjectState):
         sampler = getattr(loader, "batch_sampler", None)
         if schedule is None:
             raise ConfigError("ElasticState needs the optimizer returned by hvdp.torch.prepare()")
+        if isinstance(loader, _StreamLoader):
+            raise ConfigError("ElasticState needs a map-style dataset: shard() of a stream (an IterableDataset) "
+                              "cannot be split again among a changed number of ranks mid-epoch")
         if not isinstance(sampler, ShardSampler):
             raise ConfigError("ElasticState needs the DataLoader returned by hvdp.torch.shard()")
         if "epoch" in extra:
@@ -899,7 +1085,8 @@ def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimi
     if payload["hvdp"]["world_size"] == hvd.size():
         _set_rng_state(payload["rng"][hvd.rank()])
     if loader is not None:
-        loader.batch_sampler.set_position(position["epoch"], position["step"])
+        target = loader if hasattr(loader, "set_position") else loader.batch_sampler
+        target.set_position(position["epoch"], position["step"])
     return {"epoch": position["epoch"], "step": position["step"], "global_step": payload["hvdp"]["step"],
             **payload["extra"]}
 

@@ -41,6 +41,12 @@ class CheckpointError(HvdpError):
     cannot be resumed by this job (taken mid-epoch with another number of ranks). The message names the file."""
 
 
+class DataError(HvdpError):
+    """The training data cannot be split exactly: a stream that is empty, that ends early or differs on some
+    rank, or that cannot be read again from its start to resume. Raised on every rank at once, naming the
+    ranks, the epoch and step, and the fix."""
+
+
 class DivergenceError(HvdpError):
     """Replicas that must be identical are not: different parameters, shapes or values across ranks.
 
@@ -54,4 +60,5 @@ class NonFiniteLossError(HvdpError):
     ranks whose loss was not finite."""
 
 
-__all__ = ["HvdpError", "ConfigError", "SetupError", "CheckpointError", "DivergenceError", "NonFiniteLossError"]
+__all__ = ["HvdpError", "ConfigError", "SetupError", "CheckpointError", "DataError", "DivergenceError",
+           "NonFiniteLossError"]

@@ -43,6 +43,41 @@ def _split(count: int, parts: int, part: int) -> tuple[int, int]:
     return start, start + base + (1 if part < extra else 0)
 
 
+def rank_bounds(count: int, batch_size: int, size: int, rank: int) -> tuple[int, int]:
+    """`rank`'s [start, stop) of a global batch of `count` elements (count >= size).
+
+    A full global batch (batch_size * size) gives each rank its contiguous batch_size; the last, partial one
+    is split as evenly as possible. A batch of fewer elements than ranks is topped up first (to `size`
+    elements, from the start of the epoch) by the caller, so that no rank gets an empty batch.
+    """
+    if count == batch_size * size:
+        return rank * batch_size, (rank + 1) * batch_size
+    return _split(count, size, rank)
+
+
+def real_count(count: int, batch_size: int, size: int, rank: int) -> int:
+    """How many of `rank`'s samples in a global batch of `count` of the epoch's own elements are real.
+
+    batch_size in a full global batch (batch_size * size); its share of a partial one; with fewer elements
+    than ranks, 1 for the first `count` ranks and 0 for the ones whose batch only tops it up (see rank_bounds()).
+    """
+    if count < size:
+        return 1 if rank < count else 0
+    start, stop = rank_bounds(count, batch_size, size, rank)
+    return stop - start
+
+
+def exact_weight(real: int, step_samples: int, size: int, passes: int) -> float:
+    """The factor for a batch's mean gradient that makes the ranks' average one process's step.
+
+    The ranks' average weights each of a step's size * passes batch means alike; one process weights each
+    sample alike. Multiplying a batch of `real` real samples by size * passes * real / step_samples (the
+    step's real samples over all ranks and passes) makes the two agree. Exactly 1.0 for full steps.
+    """
+    mine = size * passes * real
+    return 1.0 if mine == step_samples else mine / step_samples
+
+
 @dataclass(frozen=True, slots=True)
 class ShardPlan:
     """The training batches of one rank. `batch_size` is per rank; all ranks get the same number of steps.
@@ -142,13 +177,9 @@ class ShardPlan:
             raise IndexError(f"step {step} outside the {self.steps_for(len(rest))} steps left in the epoch")
         lo = step * self.global_batch
         chunk = rest[lo:lo + self.global_batch]
-        if len(chunk) == self.global_batch:
-            return chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-        # The last, partial global batch: split as evenly as possible. If it has fewer samples than
-        # ranks, top it up from the start of the epoch so that no rank is left with an empty batch.
         if len(chunk) < self.size:
             chunk = np.concatenate([chunk, order[:self.size - len(chunk)]])
-        start, stop = _split(len(chunk), self.size, self.rank)
+        start, stop = rank_bounds(len(chunk), self.batch_size, self.size, self.rank)
         return chunk[start:stop]
 
     def real_samples(self, step: int, offset: int = 0) -> int:
@@ -158,13 +189,8 @@ class ShardPlan:
         batch only tops the last one up (it has fewer samples than ranks; see batch()).
         """
         left = self.n - offset
-        count = min(self.global_batch, left - step * self.global_batch)
-        if count == self.global_batch:
-            return self.batch_size
-        if count < self.size:
-            return 1 if self.rank < count else 0
-        start, stop = _split(count, self.size, self.rank)
-        return stop - start
+        return real_count(min(self.global_batch, left - step * self.global_batch), self.batch_size, self.size,
+                          self.rank)
 
     def gradient_weight(self, step: int, offset: int = 0, passes: int = 1) -> float:
         """The factor for this rank's mean gradient at `step` that makes the ranks' average exact.
@@ -190,8 +216,7 @@ class ShardPlan:
         first = step // passes * passes
         last = min(first + passes, self.steps_for(left))
         samples = min(left, last * self.global_batch) - first * self.global_batch
-        mine = self.size * passes * self.real_samples(step, offset)
-        return 1.0 if mine == samples else mine / samples
+        return exact_weight(self.real_samples(step, offset), samples, self.size, passes)
 
     def batches(self, epoch: int, start_step: int = 0, offset: int = 0):
         """Yield this rank's batches of `epoch` from `offset` samples in, skipping `start_step` steps.
@@ -207,6 +232,85 @@ class ShardPlan:
         order = epoch_order(self.n, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
         for step in range(start_step, self.steps_for(self.n - offset)):
             yield self.batch(epoch, step, order, offset)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSplit:
+    """The training batches of one rank from a stream: an iterable of unknown length, read in its own order.
+
+    The stream's order for the epoch plays the part of ShardPlan's epoch order: step j is the global batch
+    of elements [j*N*b, (j+1)*N*b), rank r takes the r-th b of them, and a partial last global batch is split
+    as ShardPlan splits it (evenly; topped up from the epoch's first elements if it has fewer than N). So N
+    ranks with batch b see at every step what one process reading the same stream with batch N*b sees. Every
+    rank (and every loader worker) reads the whole stream and keeps its part: skipping an element costs only
+    what the stream itself costs to yield it, so expensive work (decoding, augmentation) belongs after the
+    split (hvdp.torch.shard's `transform`).
+
+    Attributes (also the constructor's arguments):
+        batch_size: elements per rank per step, >= 1.
+        rank: this rank, 0 <= rank < size (default 0).
+        size: the number of ranks (default 1).
+        drop_last: drop the epoch's last, partial global batch (default False).
+
+    Raises:
+        ConfigError: batch_size < 1, or rank outside [0, size).
+    """
+
+    batch_size: int
+    rank: int = 0
+    size: int = 1
+    drop_last: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ConfigError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        if not 0 <= self.rank < self.size:
+            raise ConfigError(f"rank {self.rank} is outside a world of size {self.size}")
+
+    @property
+    def global_batch(self) -> int:
+        """Elements per step over all ranks: batch_size * size."""
+        return self.batch_size * self.size
+
+    def batches(self, stream, *, start_step: int = 0, worker: int = 0, workers: int = 1):
+        """Yield (step, elements, count) for this rank's batches of one pass over `stream`.
+
+        Args:
+            stream: an iterable, read once from its start.
+            start_step: the first step to yield (resuming mid-epoch): the elements of the steps before it
+                are read and dropped (default 0).
+            worker, workers: this loader worker and their number (default 0 of 1): worker w yields the
+                steps start_step + w, start_step + w + workers, ... so that taking the workers' outputs in
+                turn gives every step in order.
+
+        Yields:
+            step: the step, counted from the epoch's start.
+            elements: this rank's elements of that step, as the stream yielded them (a list; with fewer
+                elements in the step than ranks, a rank's may be a repeated first element of the epoch).
+            count: how many of the epoch's elements the step has (global_batch but in the last one): with
+                real_count() and exact_weight() it gives the gradient weights.
+        """
+        g, head, chunk, step, position = self.global_batch, [], [], start_step, -1
+        mine = (lambda j: (j - start_step) % workers == worker) if workers > 1 else (lambda j: True)
+        skip = start_step * g
+        for position, element in enumerate(stream):
+            if len(head) < self.size:  # the epoch's first elements, for topping up a tiny last batch
+                head.append(element)
+            if position < skip:
+                continue
+            if mine(step):
+                chunk.append(element)
+            if (position + 1) % g == 0:
+                if mine(step):
+                    yield step, chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size], g
+                chunk, step = [], step + 1
+        count = (position + 1 - skip) % g if position >= skip else 0
+        if count and not self.drop_last and mine(step):
+            # `chunk` is the whole partial global batch: split as ShardPlan splits one (a stream of fewer
+            # elements than ranks leaves some ranks empty-handed: the loader refuses it on every rank)
+            chunk = chunk + head[:max(0, self.size - count)]
+            start, stop = rank_bounds(len(chunk), self.batch_size, self.size, self.rank)
+            yield step, chunk[start:stop], count
 
 
 def eval_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
@@ -229,4 +333,4 @@ def eval_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
     return _split(n, size, rank)
 
 
-__all__ = ["epoch_order", "ShardPlan", "eval_bounds"]
+__all__ = ["epoch_order", "rank_bounds", "real_count", "exact_weight", "ShardPlan", "StreamSplit", "eval_bounds"]

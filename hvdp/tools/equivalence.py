@@ -29,10 +29,13 @@ def run(framework: str, **kw) -> dict:
 
 def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
            factory=None, input_shape: tuple[int, ...] = (20,), leftover: int | None = None,
-           compile: str | None = None, amp: str | None = None) -> dict:
+           compile: str | None = None, amp: str | None = None, stream: int | None = None) -> dict:
     """`compile`: the ranks train hvdp.torch.compile(model, backend=compile), the reference stays eager.
     `amp` ("bf16" or "fp16"): both sides run the forward pass under torch.autocast of that dtype, fp16 with
-    a GradScaler (the recipe of docs/pytorch.md: unscale after the all-reduce)."""
+    a GradScaler (the recipe of docs/pytorch.md: unscale after the all-reduce).
+    `stream` (a number of DataLoader workers, 0 for none): the ranks read the data as a stream of unknown
+    length (an IterableDataset) and step after the loop for a short last accumulation; the reference reads
+    it in the stream's order."""
     import copy
 
     import torch
@@ -77,20 +80,31 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
 
     dist = ht.prepare(model, make_optimizer(model.parameters(), lr), backward_passes_per_step=accumulate)
     forward = ht.compile(model, backend=compile) if compile else model
-    loader = ht.shard(torch.utils.data.TensorDataset(x, y), batch_size=batch_size, seed=seed)
-    batches, scale = len(loader), scaler()
+    if stream is None:
+        loader = ht.shard(torch.utils.data.TensorDataset(x, y), batch_size=batch_size, seed=seed)
+        batches = len(loader)
+    else:
+        loader = ht.shard(_pair_stream(x, y), batch_size=batch_size, seed=seed, num_workers=stream)
+        batches = None  # unknown until the stream ends: the short last step comes after the loop
+    scale, i = scaler(), -1
+
+    def step():
+        if scale.is_enabled():
+            dist.synchronize()  # the all-reduce first, then unscale: every rank sees the same inf/NaN
+            scale.unscale_(dist)
+            with dist.skip_synchronize():
+                scale.step(dist)
+            scale.update()
+        else:
+            dist.step()
+        dist.zero_grad()
+
     for i, (xb, yb) in enumerate(loader):
         scale.scale(loss_of(forward, xb, yb)).backward()
         if (i + 1) % accumulate == 0 or i + 1 == batches:
-            if scale.is_enabled():
-                dist.synchronize()  # the all-reduce first, then unscale: every rank sees the same inf/NaN
-                scale.unscale_(dist)
-                with dist.skip_synchronize():
-                    scale.step(dist)
-                scale.update()
-            else:
-                dist.step()
-            dist.zero_grad()
+            step()
+    if batches is None and (i + 1) % accumulate:
+        step()
 
     try:
         ht.check_consistency(model)
@@ -102,7 +116,7 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     if reference is not None:
         ref_opt = make_optimizer(reference.parameters(), lr * lr_multiplier(
             "linear", world.size, backward_passes_per_step=accumulate))
-        plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed)
+        plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed, shuffle=stream is None)
         ref_scale = scaler()
         for idx in plan.batches(epoch=0):
             idx = torch.from_numpy(idx)
@@ -115,8 +129,18 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     diff = ht.hvd.broadcast_object(diff, root_rank=0, name="hvdp.verify.diff")
     return {"rank": world.rank, "size": world.size, "framework": "torch", "optimizer": optimizer,
             "steps": steps + (1 if leftover else 0), "accumulate": accumulate, "leftover": leftover,
-            "compile": compile, "amp": amp,
+            "compile": compile, "amp": amp, "stream": stream,
             "max_abs_diff": diff, "replicas_identical": identical}
+
+
+def _pair_stream(x, y):
+    """(x[i], y[i]) for i in order, as a stream: an IterableDataset without len()."""
+    import torch
+
+    class PairStream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return zip(x, y)
+    return PairStream()
 
 
 def _keras_setup(framework: str, *, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float,
@@ -166,7 +190,7 @@ def _keras_result(framework, world, model, reference, x, y, n, *, batch_size, ac
         identical = False
     diff = None
     if reference is not None:
-        plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed)
+        plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed, shuffle=stream is None)
         for idx in plan.batches(epoch=0):
             replay(x[idx], y[idx])
         diff = max(float(np_.max(np_.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights()))

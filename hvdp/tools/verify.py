@@ -46,6 +46,9 @@ def add_arguments(parser) -> None:
                              "the one process stays eager")
     parser.add_argument("--amp", choices=AMP_TOLERANCE,
                         help="torch: both sides under torch.autocast of this dtype (fp16 with a GradScaler)")
+    parser.add_argument("--stream", type=int, metavar="WORKERS",
+                        help="torch: the ranks read the data as a stream (an IterableDataset of unknown length) "
+                             "with this many DataLoader workers (0: none)")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--tolerance", type=float,
                         help="max |weight difference| allowed (default 1e-5; with --amp " +
@@ -71,8 +74,11 @@ def run(args) -> int:
         print(f"hvdp verify: --leftover is for --framework torch only: hvdp.{args.framework}'s shard() does not "
               f"weight an epoch's partial last batch yet, so that step is not exact there", file=sys.stderr)
         return 2
-    for name in ("compile", "amp"):
-        if getattr(args, name) and args.framework != "torch":
+    if args.stream is not None and args.stream < 0:
+        print(f"hvdp verify: --stream must be >= 0, got {args.stream}", file=sys.stderr)
+        return 2
+    for name in ("compile", "amp", "stream"):
+        if getattr(args, name) not in (None, False) and args.framework != "torch":
             print(f"hvdp verify: --{name} is for --framework torch only", file=sys.stderr)
             return 2
     if args.tolerance is None:
@@ -99,6 +105,7 @@ def _forward(args) -> list[str]:
     out += ["--leftover", str(args.leftover)] if args.leftover is not None else []
     out += ["--compile", args.compile] if args.compile else []
     out += ["--amp", args.amp] if args.amp else []
+    out += ["--stream", str(args.stream)] if args.stream is not None else []
     return out + (["--model", args.model] if args.model else [])
 
 
@@ -119,7 +126,8 @@ def _worker(args) -> int:
     from hvdp.tools import equivalence
     shape = tuple(int(d) for d in args.input_shape.split(","))
     factory = load_factory(args.model) if args.model else None
-    extra = {"leftover": args.leftover, "compile": args.compile, "amp": args.amp} if args.framework == "torch" else {}
+    extra = ({"leftover": args.leftover, "compile": args.compile, "amp": args.amp, "stream": args.stream}
+             if args.framework == "torch" else {})
     result = equivalence.run(args.framework, optimizer=args.optimizer, steps=args.steps,
                              batch_size=args.batch_size, accumulate=args.accumulate, lr=args.lr,
                              seed=args.seed, factory=factory, input_shape=shape, **extra)
@@ -129,6 +137,7 @@ def _worker(args) -> int:
         tail = f" + a last step of {result['leftover']} samples" if result.get("leftover") else ""
         tail += f", compiled ({result['compile']})" if result.get("compile") else ""
         tail += f", autocast {result['amp']}" if result.get("amp") else ""
+        tail += f", read as a stream ({result['stream']} workers)" if result.get("stream") is not None else ""
         print(f"{result['size']} ranks x batch {args.batch_size} (x{args.accumulate} accumulated) vs 1 process x "
               f"batch {result['size'] * args.batch_size * args.accumulate}, {args.optimizer}, {args.steps} "
               f"steps{tail}: "

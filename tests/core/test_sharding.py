@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from hvdp.core.errors import ConfigError
-from hvdp.core.sharding import ShardPlan, epoch_order, eval_bounds
+from hvdp.core.sharding import ShardPlan, StreamSplit, epoch_order, eval_bounds, exact_weight, real_count
 
 
 def plans(n, b, size, **kw):
@@ -149,3 +149,70 @@ def test_a_top_up_batch_weighs_nothing():
     ps = plans(49, 4, 2, seed=0)  # step 6 holds one real sample, on rank 0
     assert [p.real_samples(6) for p in ps] == [1, 0]
     assert [p.gradient_weight(6) for p in ps] == [2.0, 0.0]
+
+
+# ------------------------------------------------------------------------------------------ streams
+
+def stream_steps(n, b, size, rank, *, workers=1, start_step=0, drop_last=False):
+    """{step: (elements, count)} of one rank, its workers' outputs merged as the loader takes them in turn."""
+    split = StreamSplit(batch_size=b, rank=rank, size=size, drop_last=drop_last)
+    outputs = [list(split.batches(iter(range(n)), start_step=start_step, worker=w, workers=workers))
+               for w in range(workers)]
+    merged, k = [], 0
+    while any(k < len(out) for out in outputs):
+        merged += [out[k] for out in outputs if k < len(out)]
+        k += 1
+    steps = [step for step, _, _ in merged]
+    assert steps == list(range(start_step, start_step + len(merged))), f"steps out of order: {steps}"
+    return {step: (elements, count) for step, elements, count in merged}
+
+
+@pytest.mark.parametrize("n,b,size", [(96, 8, 4), (100, 8, 4), (97, 5, 3), (17, 8, 2), (9, 4, 2), (2, 1, 2),
+                                      (37, 3, 5), (21, 4, 5)])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_stream_split_is_the_plan_of_the_stream_order(n, b, size, workers):
+    # ranks with batch b see at every step what ShardPlan gives them with the stream's order as the epoch
+    # order (shuffle=False), so one process reading the stream with batch N*b sees their union
+    for drop_last in (False, True):
+        per_rank = [stream_steps(n, b, size, r, workers=workers, drop_last=drop_last) for r in range(size)]
+        assert len({len(steps) for steps in per_rank}) == 1, "ranks must get the same number of steps"
+        if b <= n // size:
+            plan_steps = ShardPlan(n=n, batch_size=b, size=size, shuffle=False, drop_last=drop_last).steps_per_epoch
+            assert len(per_rank[0]) == plan_steps
+        for step in per_rank[0]:
+            counts = {steps[step][1] for steps in per_rank}
+            assert counts == {min(b * size, n - step * b * size)}, counts
+            union = [e for steps in per_rank for e in steps[step][0]]
+            real = [e for r, steps in enumerate(per_rank)
+                    for e in steps[step][0][:real_count(steps[step][1], b, size, r)]]
+            assert real == list(range(step * b * size, min(n, (step + 1) * b * size))), (step, union)
+            assert all(steps[step][0] for steps in per_rank), "every rank needs a sample at every step"
+            if b <= n // size:
+                for r, steps in enumerate(per_rank):
+                    expected = ShardPlan(n=n, batch_size=b, rank=r, size=size, shuffle=False).batch(0, step)
+                    assert steps[step][0] == expected.tolist(), (r, step)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_stream_resumes_at_a_step(workers):
+    whole = stream_steps(103, 4, 3, 1, workers=workers)
+    resumed = stream_steps(103, 4, 3, 1, workers=workers, start_step=5)
+    assert resumed == {step: v for step, v in whole.items() if step >= 5}
+    assert stream_steps(20, 4, 3, 1, start_step=9) == {}  # past the end: nothing (the loader says so)
+
+
+def test_stream_weights_make_the_last_step_exact():
+    # 2 ranks x 8, 17 elements: the last step has 1 element, on rank 0; rank 1 repeats element 0 with weight 0
+    last = [stream_steps(17, 8, 2, r)[1] for r in range(2)]
+    assert last == [([16], 1), ([0], 1)]
+    weights = [exact_weight(real_count(1, 8, 2, r), 1, 2, 1) for r in range(2)]
+    assert weights == [2.0, 0.0]  # the ranks' average of (2 * g16, 0 * g0) is g16, one process's step
+    assert exact_weight(8, 16, 2, 1) == 1.0
+
+
+def test_stream_split_refuses_bad_arguments():
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ConfigError, match="batch_size must be an integer >= 1"):
+            StreamSplit(batch_size=bad)
+    with pytest.raises(ConfigError, match="outside a world of size 2"):
+        StreamSplit(batch_size=1, rank=2, size=2)

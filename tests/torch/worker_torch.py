@@ -16,7 +16,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvdp.torch as ht  # noqa: E402
-from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, NonFiniteLossError  # noqa: E402
+from hvdp.core.errors import (CheckpointError, ConfigError, DataError, DivergenceError,  # noqa: E402
+                              NonFiniteLossError)
 from hvdp.tools import equivalence  # noqa: E402
 from tests.checks import check, main  # noqa: E402
 
@@ -190,6 +191,121 @@ def compiled_model_checkpoints_and_checks_as_the_eager_one(tmp):
     for k, v in model.state_dict().items():
         assert torch.equal(eager.state_dict()[k], v) and torch.equal(again.state_dict()[k], v), k
     assert eager_opt.state_dict()["state"][0]["step"] == 2
+
+
+# ------------------------------------------------------------------------------------------ streams
+
+class _Numbers(torch.utils.data.IterableDataset):
+    """The stream 0, 1, ..., n-1 (as float tensors); `n` may depend on the rank, to break it on purpose."""
+
+    def __init__(self, n, epochs_seen=None):
+        self.n, self.epochs_seen = n, epochs_seen
+
+    def set_epoch(self, epoch):
+        if self.epochs_seen is not None:
+            self.epochs_seen.append(epoch)
+
+    def __iter__(self):
+        return (torch.tensor([float(i)]) for i in range(self.n))
+
+
+def _values(loader):
+    return [batch.flatten().tolist() for batch in loader]
+
+
+@check
+def stream_equivalence_with_workers_and_accumulation(tmp):
+    # issue 16: a stream of unknown length (an IterableDataset), read by 0 or 2 DataLoader workers per rank,
+    # 2 passes accumulated, the last step short and its last global batch split unevenly: one process's steps
+    for workers in (0, 2):
+        r = equivalence.run("torch", optimizer="adam", steps=3, batch_size=8, accumulate=2, lr=0.02, seed=3,
+                            stream=workers)
+        assert r["stream"] == workers and r["replicas_identical"] and r["max_abs_diff"] <= 1e-5, r
+
+
+@check
+def stream_ranks_take_disjoint_parts_and_transform_only_their_own(tmp):
+    seen = []
+    transformed = []
+
+    def transform(t):
+        transformed.append(float(t))
+        return t * 10
+    for workers in (0, 2):
+        epochs = []
+        loader = ht.shard(_Numbers(43, epochs), batch_size=4, transform=transform, num_workers=workers)
+        first, second = _values(loader), _values(loader)
+        assert epochs == [0, 1] and first == second, (epochs, first, second)
+        mine = sorted(v / 10 for batch in first for v in batch)
+        everyone = hvd.allgather_object(mine, name=f"stream.parts.{workers}")
+        steps = {len(b) for b in hvd.allgather_object(first, name=f"stream.steps.{workers}")}
+        assert len(steps) == 1, f"ranks took different numbers of steps: {steps}"
+        union = sorted(v for part in everyone for v in part)
+        # 43 = 5 steps of 8 + 3: the last is split 2/1 at np=2; a top-up would repeat an element, none here
+        assert union == [float(i) for i in range(43)], union
+        seen.append(first)
+    # the transform ran in this process for workers=0: on this rank's elements only, once per epoch
+    own = sum(len(b) for b in seen[0])
+    assert len(transformed) == 2 * own, (len(transformed), own)
+
+
+@check
+def stream_tiny_last_batch_and_bad_streams_raise_on_every_rank(tmp):
+    size = world.size
+    # 2 ranks x 4 and 9 elements: the last step has 1, rank 1 trains on a repeated first element (weight 0)
+    loader = ht.shard(_Numbers(4 * size + 1), batch_size=4)
+    assert len(_values(loader)) == 2
+    expect(DataError, lambda: _values(ht.shard(_Numbers(0), batch_size=2)), "the stream yielded no samples")
+    if size > 1:
+        expect(ConfigError, lambda: _values(ht.shard(_Numbers(size - 1), batch_size=2)),
+               f"the stream has {size - 1} samples but the job has {size} ranks")
+        # rank 1's stream ends 30 elements early (its files differ): an error on every rank, no hang
+        short = _Numbers(100 - (30 if world.rank == 1 else 0))
+        e = expect(DataError, lambda: _values(ht.shard(short, batch_size=2)), "the stream of rank(s) [1] ended")
+        assert "must yield the same elements in the same order" in str(e)
+        # as many steps, but the last one has 1 element on rank 0 and 2 on the others
+        odd = _Numbers(64 + (1 if world.rank == 0 else 2))
+        expect(DataError, lambda: _values(ht.shard(odd, batch_size=4)), "rank(s) [1] read other sample counts")
+
+    class OneShot(torch.utils.data.IterableDataset):  # a cursor: its second iteration yields nothing
+        def __init__(self):
+            self.it = iter(range(20))
+
+        def __iter__(self):
+            return (torch.tensor([float(i)]) for i in self.it)
+    once = ht.shard(OneShot(), batch_size=2)
+    assert len(_values(once)) == -(-20 // (2 * size))
+    expect(DataError, lambda: _values(once), "does not start over when iterated again")
+    expect(ConfigError, lambda: ht.shard(_Numbers(10), batch_size=2, persistent_workers=True, num_workers=1),
+           "refuses persistent_workers=True")
+    expect(ConfigError, lambda: ht.shard(_data(), batch_size=2, transform=abs), "transform=...) is for a stream")
+
+    class NoLen(torch.utils.data.Dataset):
+        def __getitem__(self, i):
+            return i
+    expect(ConfigError, lambda: ht.shard(NoLen(), batch_size=2), "needs len(dataset)")
+    expect(TypeError, lambda: len(ht.shard(_Numbers(10), batch_size=1)), "has no len()")
+
+
+@check
+def stream_resumes_exactly_from_a_checkpoint(tmp):
+    d = Path(hvd.broadcast_object(str(tmp / "ckpt-stream"), name="ckpt.stream"))
+    model = _model(0)
+    opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+
+    class Sized(_Numbers):
+        def __len__(self):
+            return self.n
+    loader = ht.shard(Sized(90), batch_size=4)
+    assert len(loader) == -(-90 // (4 * world.size))
+    whole = _values(loader)
+    ht.save_checkpoint(d, model, opt, epoch=0, step=3, global_step=3)
+    ht.load_checkpoint(d, model, opt, loader)
+    assert len(loader) == len(whole) - 3
+    assert _values(loader) == whole[3:]
+    loader.set_position(0, len(whole) + 2)  # past the stream's end
+    expect(DataError, lambda: _values(loader), "nothing is left at the resume position (epoch 0, step")
+    expect(ConfigError, lambda: ht.ElasticState(model, opt, loader), "ElasticState needs a map-style dataset")
 
 
 def _model(seed):
