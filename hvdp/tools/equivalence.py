@@ -190,7 +190,7 @@ def _keras_result(framework, world, model, reference, x, y, n, *, batch_size, ac
         identical = False
     diff = None
     if reference is not None:
-        plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed, shuffle=stream is None)
+        plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed)
         for idx in plan.batches(epoch=0):
             replay(x[idx], y[idx])
         diff = max(float(np_.max(np_.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights()))
