@@ -36,6 +36,7 @@ from hvdp.tensorflow import (  # noqa: F401  (the shared implementation, re-expo
     check_consistency,
     evaluate,
     hvd,
+    index_records,
     load_checkpoint,
     log,
     save_checkpoint,
@@ -62,7 +63,8 @@ def world() -> World:
     return _tf.world()
 
 
-def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> tf.data.Dataset:
+def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False, map=None,
+          num_parallel_calls: int = tf.data.AUTOTUNE) -> tf.data.Dataset:
     """A dataset of this rank's batches for model.fit; `batch_size` is per rank (do not pass one to fit).
 
     The epoch order depends only on (seed, epoch), not on TensorFlow's global seed, so one process with
@@ -71,17 +73,20 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
     The dataset declares its number of batches (the steps per epoch), which fit's progress bar needs.
 
     Args:
-        data: an array, a tuple of arrays (x, y), or a finite tf.data.Dataset of samples; the same on
-            every rank.
+        data: an array, a tuple of arrays (x, y), a finite tf.data.Dataset of samples, file paths with
+            their labels, or index_records(files); the same on every rank (see hvdp.tensorflow.shard).
         batch_size: samples per rank per batch, from 1 to len(data) // size.
         shuffle: a new order every epoch (default True).
         seed: the seed of the epoch order (default 0).
         drop_last: drop the last, partial global batch of each epoch (default False: split it evenly).
+        map: a function of one sample run after the split, in parallel and in order (decode, augment).
+        num_parallel_calls: samples that `map` processes at once (default tf.data.AUTOTUNE).
 
     Raises:
         ConfigError: see hvdp.tensorflow.shard (empty or infinite data, a batch size that does not fit).
     """
-    dataset = _tf.shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    dataset = _tf.shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, map=map,
+                        num_parallel_calls=num_parallel_calls)
     position = dataset.hvdp_position
     # Keras needs the number of batches to show progress and to end each epoch.
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(position.plan.steps_per_epoch))
@@ -272,6 +277,6 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
 
 
-__all__ = ["init", "world", "DistributedOptimizer", "ScaledSchedule", "shard", "callbacks", "DistributedCallback",
-           "SyncBatchNormalization", "average", "evaluate", "check_consistency", "save_checkpoint",
-           "load_checkpoint", "log", "HvdpError"]
+__all__ = ["init", "world", "DistributedOptimizer", "ScaledSchedule", "shard", "index_records", "callbacks",
+           "DistributedCallback", "SyncBatchNormalization", "average", "evaluate", "check_consistency",
+           "save_checkpoint", "load_checkpoint", "log", "HvdpError"]

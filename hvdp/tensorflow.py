@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -47,6 +48,7 @@ from hvdp.core import checkpoint as ckpt
 from hvdp.core import consistency
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
 from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
+from hvdp.core.records import RecordIndex, RecordReader, index_records
 from hvdp.core.sharding import ShardPlan, eval_bounds
 from hvdp.core.world import World
 
@@ -621,15 +623,45 @@ def _as_arrays(data) -> tuple[np.ndarray, ...]:
     return arrays
 
 
-def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> tf.data.Dataset:
+def _gatherer(arrays):
+    """A tf.data function from a batch of sample numbers to the tuple of those rows of `arrays`."""
+    columns = tuple(tf.convert_to_tensor(a) for a in arrays)  # captured by reference, not in the graph
+
+    def gather(idx):
+        return tuple(tf.gather(c, idx) for c in columns)
+    return gather
+
+
+def _record_reader(index: RecordIndex):
+    """A tf.data function from a batch of record numbers to the 1-tuple of their serialized records."""
+    local = threading.local()  # a reader (its open files) per tf.data thread
+
+    def read(idx):
+        reader = getattr(local, "reader", None)
+        if reader is None:
+            reader = local.reader = RecordReader(index)
+        return np.array(reader.read(idx.numpy()), dtype=object)
+
+    def records(idx):
+        out = tf.py_function(read, [idx], tf.string)
+        out.set_shape([None])
+        return (out,)
+    return records
+
+
+def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+          map=None, num_parallel_calls: int = tf.data.AUTOTUNE) -> tf.data.Dataset:
     """A tf.data.Dataset of this rank's batches of `data`; `batch_size` is per rank.
 
-    `data` is an array, a tuple of arrays (x, y), or a finite tf.data.Dataset of samples (read into
-    memory once). The epoch order depends only on (seed, epoch), never on TensorFlow's global seed;
-    ranks get disjoint slices of each global batch, so N ranks with batch b see at every step exactly
-    what one process with batch N*b sees. Each iteration is the next epoch (no set_epoch to forget);
-    the dataset's `hvdp_position` (a ShardPosition) says and sets where the next iteration starts; it is
-    lost if the dataset is transformed (.map returns a new one). Calls init() if needed.
+    `data` is an array, a tuple of arrays (x, y), a finite tf.data.Dataset of samples (read into memory
+    once), or what indexes a dataset too large for memory: file paths (with their labels), or the records
+    of TFRecord files (index_records(files)). The epoch order depends only on (seed, epoch), never on TensorFlow's
+    global seed; ranks get disjoint slices of each global batch, so N ranks with batch b see at every step
+    exactly what one process with batch N*b sees. `map` (decode, augment) runs on each of this rank's
+    samples after the split, in parallel and in order, before batching: the pipeline stays tf.data's own
+    (no Python per sample), and the returned dataset keeps its `hvdp_position` (a ShardPosition) that says
+    and sets where the next iteration starts; transforming the dataset afterwards (.map returns a new
+    one) loses it. Each iteration is the next epoch (no set_epoch to forget). Calls init() if needed.
 
     Args:
         data: the samples, as above; every rank passes the same.
@@ -637,27 +669,45 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
         shuffle: a new order every epoch (default True).
         seed: the seed of the epoch order (default 0).
         drop_last: drop the last, partial global batch of each epoch (default False: split it evenly).
+        map: a function of one sample (its arrays' elements as arguments: map(path, label)) returning the
+            sample to batch, in TensorFlow ops (default None: the samples as they are).
+        num_parallel_calls: samples that `map` processes at once (default tf.data.AUTOTUNE).
 
     Returns:
-        A tf.data.Dataset of tuples of batched arrays, one per input array.
+        A tf.data.Dataset of batches: tuples of batched arrays, one per input array, or what `map` returns,
+        batched.
 
     Raises:
         ConfigError: an infinite (repeated) or empty dataset, arrays of different lengths, batch_size < 1,
-            fewer samples than ranks, or batch_size larger than each rank's share.
+            fewer samples than ranks, batch_size larger than each rank's share, or `map` not callable.
     """
     w = _ensure_init()
-    arrays = _as_arrays(data)
-    plan = ShardPlan(n=len(arrays[0]), batch_size=batch_size, rank=w.rank, size=w.size, seed=seed,
-                     shuffle=shuffle, drop_last=drop_last)
+    if map is not None and not callable(map):
+        raise ConfigError(f"shard(map=...) takes a function of one sample, got {type(map).__name__}")
+    if isinstance(data, RecordIndex):
+        n, samples = len(data), _record_reader(data)
+    else:
+        arrays = _as_arrays(data)
+        n, samples = len(arrays[0]), _gatherer(arrays)
+        del arrays
+    plan = ShardPlan(n=n, batch_size=batch_size, rank=w.rank, size=w.size, seed=seed, shuffle=shuffle,
+                     drop_last=drop_last)
     position = ShardPosition(plan)
 
-    def batches():
+    def epoch_indices():
+        # One Python call per epoch: the rest is tf.data's. Every batch but the last of an epoch has
+        # batch_size samples, so batching the rank's index stream again gives back its batches.
         epoch, start = position._begin()
-        for idx in plan.batches(epoch, start):
-            yield tuple(a[idx] for a in arrays)
+        batches = list(plan.batches(epoch, start))
+        yield np.concatenate(batches) if batches else np.zeros(0, np.int64)
 
-    signature = tuple(tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)) for a in arrays)
-    dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    dataset = tf.data.Dataset.from_generator(epoch_indices, output_signature=tf.TensorSpec([None], tf.int64))
+    dataset = dataset.unbatch().batch(batch_size)
+    dataset = dataset.map(samples, num_parallel_calls=num_parallel_calls, deterministic=True)
+    if map is not None:
+        dataset = dataset.unbatch().map(lambda *sample: map(*sample), num_parallel_calls=num_parallel_calls,
+                                        deterministic=True).batch(batch_size)
+    dataset = dataset.prefetch(tf.data.AUTOTUNE)
     dataset.hvdp_position = position
     return dataset
 
@@ -956,5 +1006,5 @@ def _position(dataset) -> ShardPosition:
 
 
 __all__ = ["init", "world", "barrier", "allreduce_gradients", "DistributedGradientTape", "DistributedOptimizer",
-           "ScaledSchedule", "scale_learning_rate", "broadcast", "shard", "ShardPosition", "average",
+           "ScaledSchedule", "scale_learning_rate", "broadcast", "shard", "index_records", "ShardPosition", "average",
            "check_finite", "evaluate", "log", "check_consistency", "save_checkpoint", "load_checkpoint", "HvdpError"]

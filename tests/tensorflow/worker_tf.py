@@ -18,7 +18,7 @@ import tensorflow as tf  # noqa: E402
 
 import hvdp.keras as hk  # noqa: E402
 import hvdp.tensorflow as htf  # noqa: E402
-from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, NonFiniteLossError  # noqa: E402
+from hvdp.core.errors import CheckpointError, ConfigError, DataError, DivergenceError, NonFiniteLossError  # noqa: E402
 from hvdp.core.scaling import scaled_lr  # noqa: E402
 from hvdp.core.sharding import ShardPlan  # noqa: E402
 from hvdp.tools import equivalence  # noqa: E402
@@ -358,6 +358,102 @@ def sync_batchnorm_uses_global_statistics(tmp):
     assert np.allclose(sync.moving_variance.numpy(), bn.moving_variance.numpy(), atol=1e-4)
 
 
+# ------------------------------------------------------------------------------------ files and records
+
+def _write_files(tmp, n):
+    """Rank 0 writes n samples of _data() as one raw file each and as TFRecords in 3 files of uneven size."""
+    d = shared_dir(tmp, f"files-{n}")
+    x, y = _data(n)
+    if world.rank == 0:
+        d.mkdir()
+        for i in range(n):
+            (d / f"{i:05d}.bin").write_bytes(x[i].tobytes())
+        bounds = [0, n // 10, n // 10 + n // 2, n]
+        for f in range(3):
+            with tf.io.TFRecordWriter(str(d / f"part-{f}.tfrecord")) as w:
+                for i in range(bounds[f], bounds[f + 1]):
+                    feature = {"x": tf.train.Feature(float_list=tf.train.FloatList(value=x[i])),
+                               "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[y[i]]))}
+                    w.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    htf.barrier()
+    paths = np.array([str(d / f"{i:05d}.bin") for i in range(n)])
+    return paths, y, [str(d / f"part-{f}.tfrecord") for f in range(3)], x
+
+
+def _parse(record):
+    example = tf.io.parse_single_example(record, {"x": tf.io.FixedLenFeature([6], tf.float32),
+                                                  "y": tf.io.FixedLenFeature([], tf.int64)})
+    return example["x"], example["y"]
+
+
+def _decode(path, label):
+    return tf.io.decode_raw(tf.io.read_file(path), tf.float32), label
+
+
+@check
+def files_and_records_sharded_exactly_with_the_users_map_after_the_split(tmp):
+    n, b = 101, 7
+    paths, y, files, x = _write_files(tmp, n)
+    index = htf.index_records(files)
+    assert len(index) == n and index.counts() == [10, 50, 41]
+    plan = ShardPlan(n=n, batch_size=b, rank=world.rank, size=world.size, seed=11)
+    sources = {"files": htf.shard((paths, y), batch_size=b, seed=11, map=_decode),
+               "records": htf.shard(index, batch_size=b, seed=11, map=_parse, num_parallel_calls=4)}
+    for name, data in sources.items():
+        for epoch in range(2):  # the rank's own samples, in the plan's order, decoded by map
+            batches = list(data)
+            assert len(batches) == plan.steps_per_epoch, f"{name}: {len(batches)} steps"
+            for step, ((xb, yb), idx) in enumerate(zip(batches, plan.batches(epoch))):
+                assert np.array_equal(xb.numpy(), x[idx]) and np.array_equal(yb.numpy(), y[idx]), (name, step)
+        data.hvdp_position.set(5, 3)  # a resume mid-epoch
+        assert [yb.numpy().tolist() for _, yb in data] == [y[i].tolist() for i in plan.batches(5, 3)], name
+    raw = [r.numpy() for (batch,) in htf.shard(index, batch_size=b, seed=11) for r in batch]
+    assert len(raw) == sum(len(i) for i in plan.batches(0)), "no map: the serialized records themselves"
+    kd = hk.shard(index, batch_size=b, seed=11, map=_parse)
+    assert int(kd.cardinality()) == plan.steps_per_epoch and kd.hvdp_position is not None
+
+
+@check
+def tf_resume_mid_epoch_from_tfrecords_is_bit_identical(tmp):
+    _, _, files, _ = _write_files(tmp, 96)
+    index = htf.index_records(files)
+    d = shared_dir(tmp, "tf-resume-records")
+    model, opt, data = _fresh_tf(0, index)
+    _train_loop(model, opt, data, epochs=2)
+    uninterrupted = [w.copy() for w in model.get_weights()]
+    model, opt, data = _fresh_tf(0, index)
+    _train_loop(model, opt, data, epochs=2, directory=d)
+    if world.rank == 0:  # resume from the mid-epoch checkpoint of epoch 1
+        sorted(d.glob("ckpt-*.npz"))[-1].unlink()
+    htf.barrier()
+    model, opt, data = _fresh_tf(seed=7 + world.rank, records=index)
+    state = htf.load_checkpoint(d, model, opt, data)
+    assert state["epoch"] == 1 and state["step"] == 3, state
+    _train_loop(model, opt, data, epochs=2, start=(1, 3), global_step=state["global_step"])
+    for a, b in zip(model.get_weights(), uninterrupted):
+        assert np.array_equal(a, b), "the run resumed from records differs from the uninterrupted one"
+
+
+@check
+def bad_files_and_records_raise_on_every_rank(tmp):
+    d = shared_dir(tmp, "bad-records")
+    if world.rank == 0:
+        d.mkdir()
+        with tf.io.TFRecordWriter(str(d / "few.tfrecord")) as w:
+            for i in range(world.size - 1):
+                w.write(b"r")
+        (d / "broken.tfrecord").write_bytes((d / "few.tfrecord").read_bytes() + b"\x01" * 20)
+        with tf.io.TFRecordWriter(str(d / "gz.tfrecord"), options="GZIP") as w:
+            w.write(b"compressed")
+    htf.barrier()
+    few = htf.index_records(d / "few.tfrecord")
+    expect(ConfigError, lambda: htf.shard(few, batch_size=1), f"job has {world.size} ranks")
+    expect(DataError, lambda: htf.index_records([d / "few.tfrecord", d / "broken.tfrecord"]), "broken.tfrecord")
+    expect(DataError, lambda: htf.index_records(d / "gz.tfrecord"), "compressed")
+    expect(DataError, lambda: htf.index_records([]), "got no files")
+    expect(ConfigError, lambda: htf.shard(np.arange(10), batch_size=1, map="decode"), "takes a function")
+
+
 # ---------------------------------------------------------------------------------------- checkpoints
 
 def _seed_dropout(model, value):
@@ -412,10 +508,12 @@ def _train_loop(model, opt, data, epochs, directory=None, start=(0, 0), global_s
     return global_step
 
 
-def _fresh_tf(seed):
+def _fresh_tf(seed, records=None):
     model = _model(seed)
     opt = htf.DistributedOptimizer(keras.optimizers.Adam(0.01), warmup_steps=5, backward_passes_per_step=2)
     htf.broadcast(model, opt)
+    if records is not None:  # the same samples, read from TFRecord files
+        return model, opt, htf.shard(records, batch_size=8, seed=4, map=_parse)
     return model, opt, htf.shard(_data(), batch_size=8, seed=4)
 
 
