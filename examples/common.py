@@ -2,12 +2,15 @@
 
 The default data is scikit-learn's bundled handwritten digits: 1,797 8x8 grey images, 10 classes, no
 download. `--data file.npz` trains on your own arrays instead: `x` (samples first) and `y` (integer labels).
+`--files DIR` reads the training samples from files, as a dataset too large for memory is read: rank 0
+writes them there first if DIR has none (write_files), in the layout each example reads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import struct
 import sys
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import numpy as np
 
 from hvdp import TrainConfig
 from hvdp.core.errors import ConfigError, HvdpError
+from hvdp.core.records import frame
 
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0  # fixed: every run, every rank and every world size gets the same train/test split
@@ -71,6 +75,39 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     elif x.ndim > 4:
         raise ConfigError(f"--data {path}: x has {x.ndim} dimensions; use (samples, [channels,] h, w)")
     return x, y
+
+
+RECORD_FILES = 4
+
+
+def write_files(directory: str, x: np.ndarray, y: np.ndarray, kind: str) -> None:
+    """Write the samples (x[i], y[i]) under `directory` unless it has them already; call it on one rank.
+
+    kind "tfrecord": RECORD_FILES files train-K.tfrecord, each record the label (int64, little-endian)
+    followed by the sample's float32 bytes (parse_record in train_tf.py). kind "npy": samples/NNNNNN.npy,
+    one array per sample, and labels.npy.
+    """
+    root = Path(directory)
+    done = list(root.glob("train-*.tfrecord")) if kind == "tfrecord" else (root / "labels.npy").exists()
+    if done:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    if kind == "tfrecord":
+        for k, part in enumerate(np.array_split(np.arange(len(x)), RECORD_FILES)):
+            records = (frame(struct.pack("<q", int(y[i])) + x[i].astype(np.float32).tobytes()) for i in part)
+            (root / f"train-{k}.tfrecord").write_bytes(b"".join(records))
+    else:
+        (root / "samples").mkdir(exist_ok=True)
+        for i in range(len(x)):
+            np.save(root / "samples" / f"{i:06d}.npy", x[i])
+        np.save(root / "labels.npy", y)
+
+
+def record_files(directory: str) -> list[str]:
+    files = sorted(str(p) for p in Path(directory).glob("train-*.tfrecord"))
+    if not files:
+        raise ConfigError(f"--files {directory}: no train-*.tfrecord files there")
+    return files
 
 
 def num_classes(*ys: np.ndarray) -> int:

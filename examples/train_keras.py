@@ -16,9 +16,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import hvdp.keras as hvdp_keras  # noqa: E402
-from common import fail, load_data, num_classes, parse_config, report  # noqa: E402
+import hvdp.tensorflow as hvdp_tf  # noqa: E402
+from common import fail, load_data, num_classes, parse_config, record_files, report, write_files  # noqa: E402
 from hvdp.core.checkpoint import write_atomic  # noqa: E402
 from hvdp.core.errors import ConfigError, HvdpError  # noqa: E402
 
@@ -35,6 +37,24 @@ def build_model(shape: tuple[int, ...], classes: int) -> keras.Model:
         keras.layers.Dense(classes)])
 
 
+def training_data(adapter, cfg, x: np.ndarray, y: np.ndarray, world) -> tf.data.Dataset:
+    """This rank's batches (`adapter`: hvdp.keras or hvdp.tensorflow): of the arrays, or of TFRecord files."""
+    if not cfg.files:
+        return adapter.shard((x, y), batch_size=cfg.batch_size, seed=cfg.seed)
+    if world.is_main:  # hvdp: one rank writes the files, the others wait for them
+        write_files(cfg.files, x, y, "tfrecord")
+    hvdp_tf.barrier()
+    shape = x.shape[1:]
+
+    def parse(record):  # one sample, in tf.data's threads, after the split
+        label = tf.io.decode_raw(tf.strings.substr(record, 0, 8), tf.int64)[0]
+        pixels = tf.io.decode_raw(tf.strings.substr(record, 8, tf.strings.length(record) - 8), tf.float32)
+        return tf.reshape(pixels, shape), label
+
+    records = adapter.index_records(record_files(cfg.files))  # hvdp: the records, by position
+    return adapter.shard(records, batch_size=cfg.batch_size, seed=cfg.seed, map=parse)  # hvdp: this rank's
+
+
 def main() -> None:
     cfg = parse_config(__doc__.splitlines()[0], epochs=12, batch_size=32, lr=0.03, warmup_epochs=1.0)
     world = hvdp_keras.init(timeline=cfg.timeline)  # hvdp: rank, size; plain python is size 1
@@ -47,7 +67,7 @@ def main() -> None:
     x_train, x_test = (np.moveaxis(x, 1, -1) for x in (x_train, x_test))  # Keras wants channels last
     model = build_model(x_train.shape[1:], num_classes(y_train, y_test))
 
-    train = hvdp_keras.shard((x_train, y_train), batch_size=cfg.batch_size, seed=cfg.seed)  # hvdp: this rank's batches
+    train = training_data(hvdp_keras, cfg, x_train, y_train, world)  # hvdp: this rank's batches
     steps_per_epoch = int(train.cardinality()) // cfg.accumulate
     optimizer = hvdp_keras.DistributedOptimizer(  # hvdp: scale LR (+ warmup), average gradients in the train step
         keras.optimizers.SGD(cfg.lr, momentum=0.9), lr_scaling=cfg.lr_scaling,

@@ -22,7 +22,7 @@ import hvdp.tensorflow as hvdp_tf  # noqa: E402
 from common import fail, load_data, num_classes, parse_config, report  # noqa: E402
 from hvdp.core.checkpoint import write_atomic  # noqa: E402
 from hvdp.core.errors import ConfigError, HvdpError  # noqa: E402
-from train_keras import build_model  # noqa: E402  (the same CNN)
+from train_keras import build_model, training_data  # noqa: E402  (the same CNN and data)
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     model = build_model(x_train.shape[1:], num_classes(y_train, y_test))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    train = hvdp_tf.shard((x_train, y_train), batch_size=cfg.batch_size, seed=cfg.seed)  # hvdp: this rank's batches
+    train = training_data(hvdp_tf, cfg, x_train, y_train, world)  # hvdp: this rank's batches
     batches = train.hvdp_position.plan.steps_per_epoch
     optimizer = hvdp_tf.DistributedOptimizer(  # hvdp: scale LR (+ warmup), average gradients in apply()
         keras.optimizers.SGD(cfg.lr, momentum=0.9), lr_scaling=cfg.lr_scaling,

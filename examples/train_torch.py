@@ -12,14 +12,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import hvdp.torch as hvdp_torch
-from common import fail, load_data, num_classes, parse_config, report
+from common import fail, load_data, num_classes, parse_config, report, write_files
 from hvdp.core.checkpoint import write_atomic
-from hvdp.core.errors import HvdpError
+from hvdp.core.errors import ConfigError, HvdpError
 
 
 class Net(nn.Module):
@@ -35,18 +36,47 @@ class Net(nn.Module):
         return self.head(self.features(x))
 
 
+class SampleFiles(torch.utils.data.Dataset):
+    """One .npy file per sample in DIR/samples and the labels in DIR/labels.npy (common.write_files)."""
+
+    def __init__(self, directory: str):
+        self.paths = sorted((Path(directory) / "samples").glob("*.npy"))
+        labels = Path(directory) / "labels.npy"
+        self.labels = np.load(labels, allow_pickle=False) if labels.exists() else np.zeros(0, np.int64)
+        if not self.paths or len(self.paths) != len(self.labels):
+            raise ConfigError(f"--files {directory}: {len(self.paths)} samples/*.npy files for {len(self.labels)} "
+                              f"labels in labels.npy; they must match one to one")
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int):  # read in the DataLoader's worker processes
+        return torch.from_numpy(np.load(self.paths[i], allow_pickle=False)), int(self.labels[i])
+
+
+def training_set(cfg, x: np.ndarray, y: np.ndarray, world) -> tuple[torch.utils.data.Dataset, dict]:
+    """The training samples, in memory or (--files) one file each, and the DataLoader arguments to read them."""
+    if not cfg.files:
+        return torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), {}
+    if world.is_main:  # hvdp: one rank writes the files, the others wait for them
+        write_files(cfg.files, x, y, "npy")
+    hvdp_torch.hvd.barrier()
+    return SampleFiles(cfg.files), {"num_workers": 2}
+
+
 def main() -> None:
     cfg = parse_config(__doc__.splitlines()[0], epochs=12, batch_size=32, lr=0.03, warmup_epochs=1.0)
     world = hvdp_torch.init(timeline=cfg.timeline)  # hvdp: rank, size; plain python is size 1
     torch.manual_seed(cfg.seed)
 
     x_train, y_train, x_test, y_test = load_data(cfg.data)
-    train_set = torch.utils.data.TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
+    train_set, reading = training_set(cfg, x_train, y_train, world)
     test_set = torch.utils.data.TensorDataset(torch.from_numpy(x_test), torch.from_numpy(y_test))
     model = Net(x_train.shape[1], num_classes(y_train, y_test))
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
 
-    loader = hvdp_torch.shard(train_set, batch_size=cfg.batch_size, seed=cfg.seed)  # hvdp: this rank's batches
+    # hvdp: this rank's batches
+    loader = hvdp_torch.shard(train_set, batch_size=cfg.batch_size, seed=cfg.seed, **reading)
     steps_per_epoch = len(loader) // cfg.accumulate
     optimizer = hvdp_torch.prepare(  # hvdp: scale LR, all-reduce gradients, broadcast rank 0's state
         model, optimizer, lr_scaling=cfg.lr_scaling, warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import hvdp.torch as hvdp_torch
 from common import fail, load_data, num_classes, parse_config, report
-from hvdp.core.errors import HvdpError
+from hvdp.core.errors import ConfigError, HvdpError
 from train_torch import Net
 
 COMMIT_EVERY = 10  # steps; a failure loses at most this many steps of work
@@ -27,6 +27,9 @@ COMMIT_EVERY = 10  # steps; a failure loses at most this many steps of work
 
 def main() -> None:
     cfg = parse_config(__doc__.splitlines()[0], epochs=12, batch_size=32, lr=0.03, warmup_epochs=1.0)
+    if cfg.files:  # rank 0 writes them while the others wait: a worker joining later would wait alone
+        raise ConfigError("--files is for train_torch.py; the elastic example reads the data from memory: drop "
+                          "--files (or --data FILE.npz)")
     hvdp_torch.init()
     torch.manual_seed(cfg.seed)
     x_train, y_train, x_test, y_test = load_data(cfg.data)

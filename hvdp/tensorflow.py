@@ -47,8 +47,8 @@ from hvdp import _horovod
 from hvdp.core import checkpoint as ckpt
 from hvdp.core import consistency
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
-from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
 from hvdp.core.records import RecordIndex, RecordReader, index_records
+from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
 from hvdp.core.sharding import ShardPlan, eval_bounds
 from hvdp.core.world import World
 
@@ -655,8 +655,8 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
 
     `data` is an array, a tuple of arrays (x, y), a finite tf.data.Dataset of samples (read into memory
     once), or what indexes a dataset too large for memory: file paths (with their labels), or the records
-    of TFRecord files (index_records(files)). The epoch order depends only on (seed, epoch), never on TensorFlow's
-    global seed; ranks get disjoint slices of each global batch, so N ranks with batch b see at every step
+    of TFRecord files (index_records(files)). The epoch order depends only on (seed, epoch), never on
+    TensorFlow's global seed; ranks get disjoint slices of each global batch, so N ranks with batch b see at every step
     exactly what one process with batch N*b sees. `map` (decode, augment) runs on each of this rank's
     samples after the split, in parallel and in order, before batching: the pipeline stays tf.data's own
     (no Python per sample), and the returned dataset keeps its `hvdp_position` (a ShardPosition) that says
@@ -705,7 +705,7 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
     dataset = dataset.unbatch().batch(batch_size)
     dataset = dataset.map(samples, num_parallel_calls=num_parallel_calls, deterministic=True)
     if map is not None:
-        dataset = dataset.unbatch().map(lambda *sample: map(*sample), num_parallel_calls=num_parallel_calls,
+        dataset = dataset.unbatch().map(map, num_parallel_calls=num_parallel_calls,
                                         deterministic=True).batch(batch_size)
     dataset = dataset.prefetch(tf.data.AUTOTUNE)
     dataset.hvdp_position = position
@@ -1006,5 +1006,6 @@ def _position(dataset) -> ShardPosition:
 
 
 __all__ = ["init", "world", "barrier", "allreduce_gradients", "DistributedGradientTape", "DistributedOptimizer",
-           "ScaledSchedule", "scale_learning_rate", "broadcast", "shard", "index_records", "ShardPosition", "average",
-           "check_finite", "evaluate", "log", "check_consistency", "save_checkpoint", "load_checkpoint", "HvdpError"]
+           "ScaledSchedule", "scale_learning_rate", "broadcast", "shard", "index_records", "ShardPosition",
+           "average", "check_finite", "evaluate", "log", "check_consistency", "save_checkpoint", "load_checkpoint",
+           "HvdpError"]

@@ -50,6 +50,14 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "allreduce busbw" in proc.stdout and "hvdp_vs_ddp" in proc.stdout
     assert "tensorflow training throughput" in proc.stdout
+    for framework in ("torch", "tensorflow"):  # hvdp's sharded input pipeline against a hand-written one
+        pipeline = report["pipeline"][framework]
+        assert pipeline["samples"] == 4000 and set(pipeline["by_np"]) == {"1", "2"}
+        for m in pipeline["by_np"].values():
+            rates = m["samples_per_sec_per_rank"]
+            assert set(rates) == {"hvdp", "hand"} and all(v > 0 for v in rates.values())
+            assert m["hvdp_vs_hand_per_rep"] == [rates["hvdp"] / rates["hand"]] == [m["hvdp_vs_hand"]]
+    assert "input pipeline" in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -57,7 +65,7 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     (["--frameworks", "torch,jax"], "--frameworks takes torch, tensorflow, got 'torch,jax'"),
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
-    (["--skip-training", "--skip-allreduce"], "leave nothing to measure"),
+    (["--skip-training", "--skip-allreduce", "--skip-pipeline"], "leave nothing to measure"),
 ])
 def test_bench_rejects_bad_arguments(args, message):
     proc = subprocess.run([str(BIN / "hvdp"), "bench", *args], capture_output=True, text=True, cwd=ROOT, env=env(),

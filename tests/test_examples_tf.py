@@ -26,3 +26,21 @@ def test_example_reaches_accuracy(framework, launcher):
 def test_adasum_is_refused_with_the_fix():
     proc = run("python", SCRIPTS["tensorflow"], "--adasum", "--epochs", "1", np=1, timeout=120, extra_env=QUIET)
     assert proc.returncode != 0 and "PyTorch adapter only" in proc.stderr
+
+
+def test_training_from_tfrecords_is_the_in_memory_run_and_resumes_exactly(tmp_path):
+    """--files: the samples as TFRecord files, read by position; the same run as from memory, resumed too."""
+    files, ckpt = str(tmp_path / "records"), str(tmp_path / "ckpt")
+    keras = SCRIPTS["keras"]
+    in_memory = _result(run("mpi", keras, "--epochs", "3", timeout=300, extra_env=QUIET))
+    _result(run("mpi", keras, "--epochs", "2", "--files", files, "--checkpoint-dir", ckpt, timeout=300,
+                extra_env=QUIET))
+    assert len(list((tmp_path / "records").glob("train-*.tfrecord"))) == 4
+    resumed = run("mpi", keras, "--epochs", "3", "--files", files, "--checkpoint-dir", ckpt, timeout=300,
+                  extra_env=QUIET)
+    assert "resum" in resumed.stdout + resumed.stderr, resumed.stdout[-2000:]
+    assert _result(resumed)["test_loss"] == in_memory["test_loss"], (_result(resumed), in_memory)
+    loop = SCRIPTS["tensorflow"]
+    tf_memory = _result(run("gloo", loop, "--epochs", "2", timeout=300, extra_env=QUIET))
+    tf_files = _result(run("gloo", loop, "--epochs", "2", "--files", files, timeout=300, extra_env=QUIET))
+    assert tf_files["test_loss"] == tf_memory["test_loss"], (tf_files, tf_memory)

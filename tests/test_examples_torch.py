@@ -69,6 +69,17 @@ def test_user_data_logdir_and_saved_model(tmp_path):
     assert len(events.Scalars("loss/train")) == 2
 
 
+def test_training_from_files_is_the_in_memory_run(tmp_path):
+    """--files: one .npy per sample read by 2 DataLoader workers per rank; the same samples in the same order."""
+    in_memory = _result(run("mpi", SCRIPT, "--epochs", "2", timeout=300))
+    files = _result(run("mpi", SCRIPT, "--epochs", "2", "--files", str(tmp_path), timeout=300))
+    assert len(list((tmp_path / "samples").glob("*.npy"))) == 1438 and (tmp_path / "labels.npy").exists()
+    assert (files["test_loss"], files["test_accuracy"]) == (in_memory["test_loss"], in_memory["test_accuracy"])
+    (tmp_path / "samples" / "000007.npy").unlink()  # a directory that no longer matches its labels
+    proc = run("mpi", SCRIPT, "--epochs", "1", "--files", str(tmp_path), timeout=300)
+    assert proc.returncode != 0 and "1437 samples/*.npy files for 1438 labels" in proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--data", "/nonexistent.npz"], "no such file"),
     (["--batch-size", "5000"], "batch_size (5000) is larger than each rank's shard"),
@@ -85,6 +96,11 @@ def test_bad_flag_value_is_rejected_before_launching_work():
 
 
 ELASTIC = ROOT / "examples" / "train_torch_elastic.py"
+
+
+def test_elastic_example_refuses_files_instead_of_ignoring_them():
+    proc = run("python", ELASTIC, "--files", "/tmp/anywhere", timeout=120)
+    assert proc.returncode == 1 and "--files is for train_torch.py" in proc.stderr
 
 
 @pytest.mark.elastic

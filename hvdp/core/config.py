@@ -56,6 +56,9 @@ class TrainConfig:
     save_model: str | None = field(default=None, metadata=_opt("write the final model weights to this path"))
     data: str | None = field(default=None, metadata=_opt(
         "your own data: a .npz file with arrays x (samples first) and y (integer labels)"))
+    files: str | None = field(default=None, metadata=_opt(
+        "train from files in this directory, written there first from the training data if it has none "
+        "(TFRecord files for TensorFlow/Keras, one .npy file per sample for PyTorch)"))
     logdir: str | None = field(default=None, metadata=_opt("write TensorBoard scalars here (rank 0)"))
     timeline: str | None = field(default=None, metadata=_opt(
         "write Horovod's timeline (Chrome trace, open in chrome://tracing) to this path"))

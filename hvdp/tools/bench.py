@@ -54,6 +54,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--autotune", action="store_true",
                         help="also measure raw Horovod with horovodrun --autotune")
     parser.add_argument("--skip-allreduce", action="store_true", help="measure training throughput only")
+    parser.add_argument("--skip-pipeline", action="store_true",
+                        help="skip the input-pipeline throughput (hvdp's sharded pipelines against hand-written ones)")
     parser.add_argument("--skip-training", action="store_true",
                         help="measure the all-reduce bandwidth only (every impl, side by side, against memcpy)")
 
@@ -192,6 +194,26 @@ def _train(framework: str, model: str, args, rounds: int, steps: list[str], raw_
     }
 
 
+def _pipeline(framework: str, args, rounds: int, raw_env: dict) -> dict:
+    """Input-pipeline samples/s per rank of hvdp's sharded pipeline and the hand-written one, alone and at np,
+    on files the worker writes once into a temporary directory (removed after)."""
+    import tempfile
+
+    samples, reps = (4000, rounds) if args.quick else (20000, 3 * rounds)
+    with tempfile.TemporaryDirectory(prefix=f"hvdp-bench-{framework}-") as directory:
+        out = {}
+        for np_ in (1, args.np):
+            print(f"[bench] {framework} input pipeline np={np_} ...", file=sys.stderr, flush=True)
+            cmd = _launch("hvdp", np_, "pipeline_worker.py", ["--framework", framework, "--dir", directory,
+                                                              "--samples", str(samples), "--reps", str(reps)], raw_env)
+            rates = _run(cmd, raw_env, timeout=900)[0]["samples_per_sec_per_rank"]
+            ratios = [a / b for a, b in zip(rates["hvdp"], rates["hand"])]
+            out[str(np_)] = {"samples_per_sec_per_rank": {k: statistics.median(v) for k, v in rates.items()},
+                             "reps_per_rank": rates, "hvdp_vs_hand": statistics.median(ratios),
+                             "hvdp_vs_hand_per_rep": ratios}
+    return {"framework": framework, "samples": samples, "by_np": out}
+
+
 def run(args) -> int:
     if not (BENCH_DIR / "train_worker.py").is_file():
         print(f"hvdp bench: the benchmark workers are not at {BENCH_DIR}; run it from a checkout of hvdp",
@@ -221,8 +243,9 @@ def run(args) -> int:
     report = {"date": datetime.date.today().isoformat(),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
               "hvdp_runtime_defaults": RUNTIME_DEFAULTS, "rounds": rounds, "steps_per_repetition": n_steps}
-    if args.skip_training and args.skip_allreduce:
-        print("hvdp bench: --skip-training and --skip-allreduce together leave nothing to measure", file=sys.stderr)
+    if args.skip_training and args.skip_allreduce and args.skip_pipeline:
+        print("hvdp bench: --skip-training, --skip-allreduce and --skip-pipeline together leave nothing to measure",
+              file=sys.stderr)
         return 2
     for framework in ([] if args.skip_training else frameworks):
         result = {"framework": framework, "np": args.np, "threads": args.threads, "models": {}}
@@ -233,6 +256,9 @@ def run(args) -> int:
                        **result["models"][first]["ratios"]})
         result["scaling_efficiency"] = result["models"][first]["scaling_efficiency"][FRAMEWORKS[framework]["impls"][0]]
         report["training" if framework == frameworks[0] else f"training_{framework}"] = result
+
+    for framework in ([] if args.skip_pipeline else frameworks):
+        report.setdefault("pipeline", {})[framework] = _pipeline(framework, args, rounds, raw_env)
 
     if not args.skip_allreduce:
         sizes = "4096,65536,1048576,16777216,67108864" if args.quick else \
@@ -286,6 +312,14 @@ def _print(report: dict) -> None:
             for name, value in m["ratios"].items():
                 rounds = ", ".join(f"{x:.3f}" for x in m["ratios_per_round"][name])
                 print(f"    {name} = {value:.3f}  (rounds: {rounds})")
+    for framework, p in report.get("pipeline", {}).items():
+        print(f"\n{framework} input pipeline, {p['samples']} files' samples (samples/s per rank, median; hvdp's "
+              f"shard against the hand-written pipeline)")
+        for np_, m in p["by_np"].items():
+            rates = m["samples_per_sec_per_rank"]
+            reps = ", ".join(f"{x:.3f}" for x in m["hvdp_vs_hand_per_rep"])
+            print(f"  np={np_}: hvdp {rates['hvdp']:.0f}  hand {rates['hand']:.0f}  hvdp_vs_hand = "
+                  f"{m['hvdp_vs_hand']:.3f}  (reps: {reps})")
     if "allreduce" in report:
         a = report["allreduce"]
         print(f"\nallreduce busbw (GB/s), np={a['np']}; memcpy {a['memcpy_GBps']:.2f} GB/s")
