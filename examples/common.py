@@ -84,7 +84,7 @@ def write_files(directory: str, x: np.ndarray, y: np.ndarray, kind: str) -> None
     """Write the samples (x[i], y[i]) under `directory` unless it has them already; call it on one rank.
 
     kind "tfrecord": RECORD_FILES files train-K.tfrecord, each record the label (int64, little-endian)
-    followed by the sample's float32 bytes (parse_record in train_tf.py). kind "npy": samples/NNNNNN.npy,
+    followed by the sample's float32 bytes (parsed in train_keras.training_data). kind "npy": samples/NNNNNN.npy,
     one array per sample, and labels.npy.
     """
     root = Path(directory)
