@@ -56,14 +56,14 @@ def frame(data: bytes) -> bytes:
             + struct.pack("<I", masked_crc32c(data)))
 
 
-def record_offsets(path: str) -> np.ndarray:
-    """The byte offset of every record's frame in the TFRecord file `path`, in file order.
+def record_frames(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """The byte offset of every record's frame in the TFRecord file `path`, and its data's length, in file order.
 
     Raises:
         DataError: the file cannot be read, is compressed (gzip or zlib), or its frames do not tile it (not
             a TFRecord file, or truncated): the message names the path and the offset.
     """
-    offsets = []
+    offsets, lengths = [], []
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -84,16 +84,18 @@ def record_offsets(path: str) -> np.ndarray:
                     raise DataError(f"{path}: truncated: the record at byte {pos} needs {length} bytes of data, "
                                     f"the file ends {end - size} bytes early; rewrite the file")
                 offsets.append(pos)
+                lengths.append(length)
                 pos = end
                 f.seek(pos)
     except OSError as e:
         raise DataError(f"cannot index the TFRecord file {path}: {e}") from e
-    return np.asarray(offsets, dtype=np.int64)
+    return np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
 
 
 @dataclass(frozen=True, eq=False)
 class RecordIndex:
-    """Every record of a list of TFRecord files, in file order: record i is at offsets[i] of paths[files[i]].
+    """Every record of a list of TFRecord files, in file order: record i is at offsets[i] of paths[files[i]],
+    its data lengths[i] bytes long.
 
     Build it with index_records(); hvdp.tensorflow.shard() takes it like an array of samples, one sample per
     record (its serialized bytes).
@@ -102,6 +104,7 @@ class RecordIndex:
     paths: tuple[str, ...]
     files: np.ndarray  # int32 index into paths, one per record
     offsets: np.ndarray  # int64 byte offset of the record's frame
+    lengths: np.ndarray  # int64 length of the record's data
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -115,18 +118,19 @@ def index_records(paths) -> RecordIndex:
     """Index the records of the TFRecord files `paths` (a path, or a list of them, taken in that order).
 
     Raises:
-        DataError: no paths, or a file that cannot be indexed (see record_offsets()).
+        DataError: no paths, or a file that cannot be indexed (see record_frames()).
     """
     paths = (os.fspath(paths),) if isinstance(paths, (str, os.PathLike)) else tuple(os.fspath(p) for p in paths)
     if not paths:
         raise DataError("index_records() got no files: pass the paths of the TFRecord files")
-    per_file = [record_offsets(p) for p in paths]
-    files = np.concatenate([np.full(len(o), i, np.int32) for i, o in enumerate(per_file)])
-    return RecordIndex(paths=paths, files=files, offsets=np.concatenate(per_file))
+    per_file = [record_frames(p) for p in paths]
+    files = np.concatenate([np.full(len(o), i, np.int32) for i, (o, _) in enumerate(per_file)])
+    return RecordIndex(paths=paths, files=files, offsets=np.concatenate([o for o, _ in per_file]),
+                       lengths=np.concatenate([n for _, n in per_file]))
 
 
 class RecordReader:
-    """Reads records of an index by number: one pread of the header and one of the data, no CRC of the data.
+    """Reads records of an index by number: one pread of the data (its length is in the index), no CRC of it.
 
     Holds one open file per path it has read from; not shared between threads (each thread makes its own).
     """
@@ -148,12 +152,11 @@ class RecordReader:
         """The data of each record number in `records`, in that order."""
         out = []
         for i in records:
-            file, pos = int(self.index.files[i]), int(self.index.offsets[i])
+            file, pos, length = int(self.index.files[i]), int(self.index.offsets[i]), int(self.index.lengths[i])
             fd = self._fd(file)
             try:
-                (length,) = struct.unpack("<Q", os.pread(fd, 8, pos))
                 data = os.pread(fd, length, pos + _HEADER)
-            except (OSError, struct.error) as e:
+            except OSError as e:
                 raise DataError(f"cannot read the record at byte {pos} of {self.index.paths[file]}: {e}") from e
             if len(data) != length:
                 raise DataError(f"{self.index.paths[file]} changed since it was indexed: the record at byte {pos} "

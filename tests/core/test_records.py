@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hvdp.core.errors import DataError
-from hvdp.core.records import RecordReader, frame, index_records, masked_crc32c, record_offsets
+from hvdp.core.records import RecordReader, frame, index_records, masked_crc32c, record_frames
 
 
 def write(path, records):
@@ -35,9 +35,11 @@ def test_index_and_read_records_of_several_files_in_any_order(tmp_path):
 def test_a_single_path_and_an_empty_file(tmp_path):
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
-    assert len(record_offsets(str(empty))) == 0
+    offsets, lengths = record_frames(str(empty))
+    assert len(offsets) == len(lengths) == 0
     index = index_records(write(tmp_path / "one", [b"x", b"yy"]))
     assert index.paths == (str(tmp_path / "one"),) and index.offsets.tolist() == [0, 17]
+    assert index.lengths.tolist() == [1, 2]
 
 
 @pytest.mark.parametrize("damage,message", [
