@@ -37,10 +37,11 @@ def build_model(shape: tuple[int, ...], classes: int) -> keras.Model:
         keras.layers.Dense(classes)])
 
 
-def training_data(adapter, cfg, x: np.ndarray, y: np.ndarray, world) -> tf.data.Dataset:
-    """This rank's batches (`adapter`: hvdp.keras or hvdp.tensorflow): of the arrays, or of TFRecord files."""
+def training_data(adapter, cfg, x: np.ndarray, y: np.ndarray, world, **options) -> tf.data.Dataset:
+    """This rank's batches (`adapter`: hvdp.keras or hvdp.tensorflow): of the arrays, or of TFRecord files;
+    `options` go to shard() (hvdp.tensorflow's weights=True)."""
     if not cfg.files:
-        return adapter.shard((x, y), batch_size=cfg.batch_size, seed=cfg.seed)
+        return adapter.shard((x, y), batch_size=cfg.batch_size, seed=cfg.seed, **options)
     if world.is_main:  # hvdp: one rank writes the files, the others wait for them
         write_files(cfg.files, x, y, "tfrecord")
     hvdp_tf.barrier()
@@ -52,7 +53,7 @@ def training_data(adapter, cfg, x: np.ndarray, y: np.ndarray, world) -> tf.data.
         return tf.reshape(pixels, shape), label
 
     records = adapter.index_records(record_files(cfg.files))  # hvdp: the records, by position
-    return adapter.shard(records, batch_size=cfg.batch_size, seed=cfg.seed, map=parse)  # hvdp: this rank's
+    return adapter.shard(records, batch_size=cfg.batch_size, seed=cfg.seed, map=parse, **options)  # hvdp: this rank's
 
 
 def main() -> None:

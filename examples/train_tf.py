@@ -38,7 +38,9 @@ def main() -> None:
     model = build_model(x_train.shape[1:], num_classes(y_train, y_test))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    train = training_data(hvdp_tf, cfg, x_train, y_train, world)  # hvdp: this rank's batches
+    # hvdp: this rank's batches, each with its samples' gradient weights (the last, partial step exact)
+    train = training_data(hvdp_tf, cfg, x_train, y_train, world, weights=True,
+                          backward_passes_per_step=cfg.accumulate)
     batches = train.hvdp_position.plan.steps_per_epoch
     optimizer = hvdp_tf.DistributedOptimizer(  # hvdp: scale LR (+ warmup), average gradients in apply()
         keras.optimizers.SGD(cfg.lr, momentum=0.9), lr_scaling=cfg.lr_scaling,
@@ -53,9 +55,9 @@ def main() -> None:
     writer = tf.summary.create_file_writer(cfg.logdir) if cfg.logdir and world.is_main else None  # hvdp: rank 0 logs
 
     @tf.function
-    def train_step(x, y):
+    def train_step(x, y, w):
         with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
+            loss = loss_fn(y, model(x, training=True), sample_weight=w)  # hvdp: w is 1 but in the last step
         variables = model.trainable_variables
         optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))  # hvdp: averaged across ranks
         return loss
@@ -66,8 +68,9 @@ def main() -> None:
     samples, started = 0, time.perf_counter()
     for epoch in range(start_epoch, cfg.epochs):
         epoch_loss, count = 0.0, 0
-        for x, y in train:  # a new order every epoch; a resumed epoch starts at its saved batch
-            epoch_loss, count, samples = epoch_loss + float(train_step(x, y)), count + 1, samples + len(y)
+        for x, y, w in train:  # a new order every epoch; a resumed epoch starts at its saved batch
+            epoch_loss, count, samples = epoch_loss + float(train_step(x, y, w)), count + 1, samples + len(y)
+        optimizer.flush()  # hvdp: with --accumulate k, the epoch's last j < k batches are a step too
         train_loss = hvdp_tf.average(epoch_loss / max(count, 1))  # hvdp: mean over ranks
         metrics = hvdp_tf.evaluate(model, (x_test, y_test))  # hvdp: every test sample counted once
         lr = float(optimizer.learning_rate)

@@ -64,13 +64,18 @@ def world() -> World:
 
 
 def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False, map=None,
-          num_parallel_calls: int = tf.data.AUTOTUNE) -> tf.data.Dataset:
+          num_parallel_calls: int = tf.data.AUTOTUNE, sample_weights: bool = True) -> tf.data.Dataset:
     """A dataset of this rank's batches for model.fit; `batch_size` is per rank (do not pass one to fit).
 
     The epoch order depends only on (seed, epoch), not on TensorFlow's global seed, so one process with
     batch N*b sees at every step the union of what N ranks see with batch b. Pass the dataset to
     callbacks(data=...) too: the order then follows fit's epoch number, so a resumed fit continues exactly.
     The dataset declares its number of batches (the steps per epoch), which fit's progress bar needs.
+
+    Its batches are (x, y, sample_weight): the weights (hvdp.tensorflow.shard's `weights`) are 1.0 except in
+    an epoch's last, partial step, where they make that step one process's step on the same samples
+    (callbacks(data=...) matches them to the optimizer's backward_passes_per_step). Data with its own
+    sample weights, (x, y, sw), gets sw times them; data of one array (x) gets none.
 
     Args:
         data: an array, a tuple of arrays (x, y), a finite tf.data.Dataset of samples, file paths with
@@ -81,17 +86,30 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
         drop_last: drop the last, partial global batch of each epoch (default False: split it evenly).
         map: a function of one sample run after the split, in parallel and in order (decode, augment).
         num_parallel_calls: samples that `map` processes at once (default tf.data.AUTOTUNE).
+        sample_weights: add the weights (default True); False yields (x, y) as they are, for a custom
+            train_step that unpacks two elements (the last, partial step is then not weighted exactly).
 
     Raises:
         ConfigError: see hvdp.tensorflow.shard (empty or infinite data, a batch size that does not fit).
     """
-    dataset = _tf.shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, map=map,
-                        num_parallel_calls=num_parallel_calls)
+    dataset = _tf._shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, map=map,
+                         num_parallel_calls=num_parallel_calls, weights=sample_weights, passes=1,
+                         finish=_as_sample_weights if sample_weights else None)
     position = dataset.hvdp_position
     # Keras needs the number of batches to show progress and to end each epoch.
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(position.plan.steps_per_epoch))
     dataset.hvdp_position = position
     return dataset
+
+
+def _as_sample_weights(*element):
+    """A batch with hvdp's weights last, as fit takes it: (x, y, w), (x, y, sw * w), or x alone."""
+    *sample, weight = element
+    if len(sample) == 2:
+        return (*sample, weight)
+    if len(sample) == 3:
+        return (*sample[:2], sample[2] * tf.cast(weight, sample[2].dtype))
+    return sample[0] if len(sample) == 1 else tuple(sample)
 
 
 class _RankZeroProgbar(keras.callbacks.ProgbarLogger):
@@ -178,6 +196,8 @@ class DistributedCallback(keras.callbacks.Callback):
             # Horovod's collectives are not XLA ops: rebuild the step without XLA (fit looks it up every step).
             model.jit_compile = False
             model.make_train_function(force=True)
+        if self.data is not None:  # the gradient weights group the optimizer's passes into steps
+            self.data.hvdp_position.passes = getattr(optimizer, "backward_passes_per_step", 1)
         self.resumed = (load_checkpoint(self.checkpoint_dir, model, optimizer, self.data)
                         if self.checkpoint_dir else None)
         if self.resumed is not None:
@@ -198,10 +218,13 @@ class DistributedCallback(keras.callbacks.Callback):
             self.data.hvdp_position.set(epoch)
 
     def on_epoch_end(self, epoch, logs=None):
-        """Average the numeric `logs` over ranks in place and write the checkpoint of `epoch` + 1.
+        """Take the epoch's short last step (flush), average the numeric `logs` over ranks in place and
+        write the checkpoint of `epoch` + 1.
 
         Collective (fit runs it on every rank): the ranks must log the same metric names.
         """
+        if self.data is not None and isinstance(self.model.optimizer, DistributedOptimizer):
+            self.model.optimizer.flush()  # with backward_passes_per_step=k: the last j < k passes are a step
         if self.average_metrics and logs and hvd.size() > 1:
             keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.floating, np.integer)))
             values = hvd.allreduce(tf.constant([float(logs[k]) for k in keys], tf.float64), op=hvd.Average,

@@ -412,6 +412,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             return
         index = [self._get_variable_index(v) for v in variables]
         accs = [self._accumulators[i] for i in index]
+        self._no_gradient = {i for i, g in zip(index, grads) if g is None}  # for flush(); fixed when traced
         summed = [None if g is None else a + tf.cast(g, a.dtype) for g, a in zip(grads, accs)]
         passes = self._passes.assign_add(1)
 
@@ -430,6 +431,30 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             return tf.constant(False)
 
         tf.cond(tf.equal(passes % k, 0), step, accumulate)
+
+    def flush(self) -> bool:
+        """Apply the passes accumulated since the last step as one step now: an epoch's short last step.
+
+        With backward_passes_per_step=k, an epoch of j*k + r batches leaves r passes accumulated; without
+        a flush they would join the next epoch's first step. The gradients of those r passes, weighted by
+        shard(weights=True, backward_passes_per_step=k), are all-reduced and applied here, so that step is
+        one process's mean over its samples; the next step's passes are counted from zero. A collective:
+        call it on every rank, eagerly, after the epoch (hvdp.keras.callbacks does it at each epoch's end).
+
+        Returns:
+            Whether a step was applied (False with k == 1 or nothing accumulated).
+        """
+        k = self.backward_passes_per_step
+        if k == 1 or not self.built or int(self._passes.numpy()) % k == 0:
+            return False
+        skip = getattr(self, "_no_gradient", set())
+        summed = [None if i in skip else a / k for i, a in enumerate(self._accumulators)]
+        self.inner_optimizer.apply(allreduce_gradients(summed, compression=self.compression),
+                                   self._trainable_variables)
+        for a in self._accumulators:
+            a.assign(tf.zeros_like(a))
+        self._passes.assign(0)
+        return True
 
     @property
     def iterations(self):
@@ -582,12 +607,15 @@ class ShardPosition:
 
     Args:
         plan: the hvdp.core.sharding.ShardPlan of this rank (the `plan` attribute).
+        passes: the backward passes per optimizer step that shard(weights=True)'s gradient weights assume
+            (the `passes` attribute, default 1; hvdp.keras.callbacks sets it from the optimizer).
     """
 
-    def __init__(self, plan: ShardPlan):
+    def __init__(self, plan: ShardPlan, passes: int = 1):
         self.plan = plan
         self.epoch = 0
         self.step = 0
+        self.passes = passes  # backward passes per optimizer step that the gradient weights assume
 
     def set(self, epoch: int, step: int = 0) -> None:
         """Make the next iteration run `epoch` from batch `step` (default 0: the epoch's start)."""
@@ -650,7 +678,8 @@ def _record_reader(index: RecordIndex):
 
 
 def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-          map=None, num_parallel_calls: int = tf.data.AUTOTUNE) -> tf.data.Dataset:
+          map=None, num_parallel_calls: int = tf.data.AUTOTUNE, weights: bool = False,
+          backward_passes_per_step: int = 1) -> tf.data.Dataset:
     """A tf.data.Dataset of this rank's batches of `data`; `batch_size` is per rank.
 
     `data` is an array, a tuple of arrays (x, y), a finite tf.data.Dataset of samples (read into memory
@@ -672,18 +701,37 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
         map: a function of one sample (its arrays' elements as arguments: map(path, label)) returning the
             sample to batch, in TensorFlow ops (default None: the samples as they are).
         num_parallel_calls: samples that `map` processes at once (default tf.data.AUTOTUNE).
+        weights: add each sample's gradient weight as the batch's last element, a float32 vector (default
+            False): 1.0 in every step of whole batches; in an epoch's last, partial step the factor that
+            makes the ranks' averaged gradient one process's mean over that step's samples
+            (ShardPlan.gradient_weight); 0.0 for a sample that only tops a batch up. Weight the per-sample
+            loss with it (`loss_fn(y, p, sample_weight=w)`, a mean over the batch); hvdp.keras.shard
+            passes it to fit as the sample weight.
+        backward_passes_per_step: the k of DistributedOptimizer the weights assume (default 1): k batches
+            make a step, grouped from the epoch's start; call its flush() after the epoch for the short
+            last group.
 
     Returns:
         A tf.data.Dataset of batches: tuples of batched arrays, one per input array, or what `map` returns,
-        batched.
+        batched; with `weights`, one more element at the end.
 
     Raises:
         ConfigError: an infinite (repeated) or empty dataset, arrays of different lengths, batch_size < 1,
-            fewer samples than ranks, batch_size larger than each rank's share, or `map` not callable.
+            fewer samples than ranks, batch_size larger than each rank's share, `map` not callable, or
+            backward_passes_per_step not an integer >= 1.
     """
+    return _shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, map=map,
+                  num_parallel_calls=num_parallel_calls, weights=weights, passes=backward_passes_per_step)
+
+
+def _shard(data, *, batch_size, shuffle, seed, drop_last, map, num_parallel_calls, weights, passes,
+           finish=None) -> tf.data.Dataset:
+    """shard(); `finish`, a function of a batch's elements, runs on each batch before the prefetch."""
     w = _ensure_init()
     if map is not None and not callable(map):
         raise ConfigError(f"shard(map=...) takes a function of one sample, got {type(map).__name__}")
+    if not isinstance(passes, int) or passes < 1:
+        raise ConfigError(f"shard(backward_passes_per_step=...) must be an integer >= 1, got {passes!r}")
     if isinstance(data, RecordIndex):
         n, samples = len(data), _record_reader(data)
     else:
@@ -692,21 +740,38 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
         del arrays
     plan = ShardPlan(n=n, batch_size=batch_size, rank=w.rank, size=w.size, seed=seed, shuffle=shuffle,
                      drop_last=drop_last)
-    position = ShardPosition(plan)
+    position = ShardPosition(plan, passes)
 
     def epoch_indices():
         # One Python call per epoch: the rest is tf.data's. Every batch but the last of an epoch has
         # batch_size samples, so batching the rank's index stream again gives back its batches.
         epoch, start = position._begin()
         batches = list(plan.batches(epoch, start))
-        yield np.concatenate(batches) if batches else np.zeros(0, np.int64)
+        idx = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+        if not weights:
+            yield idx
+            return
+        # Steps counted from the epoch's start (offset 0), so a resumed epoch groups its passes as before.
+        yield idx, np.concatenate([np.full(len(b), plan.gradient_weight(start + i, 0, position.passes), np.float32)
+                                   for i, b in enumerate(batches)] or [np.zeros(0, np.float32)])
 
-    dataset = tf.data.Dataset.from_generator(epoch_indices, output_signature=tf.TensorSpec([None], tf.int64))
+    signature = tf.TensorSpec([None], tf.int64)
+    if weights:
+        signature = (signature, tf.TensorSpec([None], tf.float32))
+    dataset = tf.data.Dataset.from_generator(epoch_indices, output_signature=signature)
     dataset = dataset.unbatch().batch(batch_size)
-    dataset = dataset.map(samples, num_parallel_calls=num_parallel_calls, deterministic=True)
+    dataset = dataset.map((lambda idx, wb: (*samples(idx), wb)) if weights else samples,
+                          num_parallel_calls=num_parallel_calls, deterministic=True)
     if map is not None:
-        dataset = dataset.unbatch().map(map, num_parallel_calls=num_parallel_calls,
+        user = map
+        if weights:  # the user's function sees the sample only; the weight rides along after it
+            def user(*element):
+                out = map(*element[:-1])
+                return (*out, element[-1]) if isinstance(out, tuple) else (out, element[-1])
+        dataset = dataset.unbatch().map(user, num_parallel_calls=num_parallel_calls,
                                         deterministic=True).batch(batch_size)
+    if finish is not None:
+        dataset = dataset.map(finish, num_parallel_calls=num_parallel_calls, deterministic=True)
     dataset = dataset.prefetch(tf.data.AUTOTUNE)
     dataset.hvdp_position = position
     return dataset

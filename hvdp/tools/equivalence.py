@@ -27,6 +27,15 @@ def run(framework: str, **kw) -> dict:
     return {"torch": _torch, "tensorflow": _tensorflow, "keras": _keras}[framework](**kw)
 
 
+def _leftover(leftover: int | None, size: int, batch_size: int) -> int:
+    """How many samples the data has beyond whole steps: a last step of fewer than `accumulate` batches, its
+    last global batch partial and split unevenly among the ranks (by default N*b - 1 samples: N ranks cannot
+    split it evenly), which hvdp weights so that the step is one process's (ShardPlan.gradient_weight)."""
+    if leftover is None:
+        return size * batch_size - 1 if size > 1 else 0
+    return leftover
+
+
 def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
            factory=None, input_shape: tuple[int, ...] = (20,), leftover: int | None = None,
            compile: str | None = None, amp: str | None = None, stream: int | None = None) -> dict:
@@ -59,11 +68,7 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
             return torch.optim.Adam(params, lr=rate)
         return torch.optim.SGD(params, lr=rate, momentum=0.9)
 
-    # `leftover` more samples: a last step of fewer than `accumulate` batches, its last global batch partial
-    # and split unevenly among the ranks (by default N*b - 1 samples: N ranks cannot split it evenly), which
-    # hvdp weights so that the step is one process's (ShardPlan.gradient_weight).
-    if leftover is None:
-        leftover = world.size * batch_size - 1 if world.size > 1 else 0
+    leftover = _leftover(leftover, world.size, batch_size)
     n = steps * accumulate * world.size * batch_size + leftover
     x, y = (torch.from_numpy(a) for a in synthetic_data(n, input_shape, classes, seed))
     # Rank 0's initial weights are what every rank holds after the broadcast in prepare().
@@ -144,7 +149,7 @@ def _pair_stream(x, y):
 
 
 def _keras_setup(framework: str, *, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float,
-                 seed: int, factory, input_shape: tuple[int, ...]):
+                 seed: int, factory, input_shape: tuple[int, ...], leftover: int | None):
     """What the TensorFlow and Keras experiments share: rank-dependent model, data, rank 0's reference copy."""
     import keras
 
@@ -166,18 +171,19 @@ def _keras_setup(framework: str, *, optimizer: str, steps: int, batch_size: int,
     keras.utils.set_random_seed(seed + 1000 * world.rank + 1)  # deliberately different weights (and TF seed) per rank
     model = build()
     classes = int(model.output_shape[-1])
-    n = steps * accumulate * world.size * batch_size
+    leftover = _leftover(leftover, world.size, batch_size)
+    n = steps * accumulate * world.size * batch_size + leftover
     x, y = synthetic_data(n, input_shape, classes, seed)
     reference = None
     if world.rank == 0:  # rank 0's initial weights are what every rank holds after the broadcast
         reference = build()
         reference.set_weights(model.get_weights())
     multiplier = lr_multiplier("linear", world.size, backward_passes_per_step=accumulate)
-    return world, model, reference, make_optimizer, x, y, n, multiplier
+    return world, model, reference, make_optimizer, x, y, n, multiplier, leftover
 
 
 def _keras_result(framework, world, model, reference, x, y, n, *, batch_size, accumulate, optimizer, steps, seed,
-                  replay) -> dict:
+                  leftover, replay) -> dict:
     import numpy as np_
 
     import hvdp.tensorflow as htf
@@ -196,33 +202,37 @@ def _keras_result(framework, world, model, reference, x, y, n, *, batch_size, ac
         diff = max(float(np_.max(np_.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights()))
     diff = htf.hvd.broadcast_object(diff, root_rank=0, name="hvdp.verify.diff")
     return {"rank": world.rank, "size": world.size, "framework": framework, "optimizer": optimizer,
-            "steps": steps, "accumulate": accumulate, "max_abs_diff": diff, "replicas_identical": identical}
+            "steps": steps + (1 if leftover else 0), "accumulate": accumulate, "leftover": leftover,
+            "max_abs_diff": diff, "replicas_identical": identical}
 
 
 def _tensorflow(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
-                factory=None, input_shape: tuple[int, ...] = (20,)) -> dict:
-    """A tf.function custom loop: plain GradientTape + hvdp.tensorflow.DistributedOptimizer."""
+                factory=None, input_shape: tuple[int, ...] = (20,), leftover: int | None = None) -> dict:
+    """A tf.function custom loop: plain GradientTape + hvdp.tensorflow.DistributedOptimizer, the loss
+    weighted by shard(weights=True), flush() after the epoch (docs/tensorflow-keras.md)."""
     import keras
     import tensorflow as tf
 
     import hvdp.tensorflow as htf
 
-    world, model, reference, make_optimizer, x, y, n, multiplier = _keras_setup(
+    world, model, reference, make_optimizer, x, y, n, multiplier, leftover = _keras_setup(
         "tensorflow", optimizer=optimizer, steps=steps, batch_size=batch_size, accumulate=accumulate, lr=lr,
-        seed=seed, factory=factory, input_shape=input_shape)
+        seed=seed, factory=factory, input_shape=input_shape, leftover=leftover)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     dist = htf.DistributedOptimizer(make_optimizer(lr), backward_passes_per_step=accumulate)
     htf.broadcast(model, dist)
 
     @tf.function
-    def train_step(xb, yb):
+    def train_step(xb, yb, wb):
         with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
+            loss = loss_fn(yb, model(xb, training=True), sample_weight=wb)
         variables = model.trainable_variables
         dist.apply_gradients(zip(tape.gradient(loss, variables), variables))
 
-    for xb, yb in htf.shard((x, y), batch_size=batch_size, seed=seed):
-        train_step(xb, yb)
+    for xb, yb, wb in htf.shard((x, y), batch_size=batch_size, seed=seed, weights=True,
+                                backward_passes_per_step=accumulate):
+        train_step(xb, yb, wb)
+    dist.flush()
 
     ref_opt = make_optimizer(lr * multiplier) if reference is not None else None
 
@@ -232,19 +242,20 @@ def _tensorflow(*, optimizer: str, steps: int, batch_size: int, accumulate: int,
         ref_opt.apply_gradients(zip(tape.gradient(loss, reference.trainable_variables), reference.trainable_variables))
 
     return _keras_result("tensorflow", world, model, reference, x, y, n, batch_size=batch_size,
-                         accumulate=accumulate, optimizer=optimizer, steps=steps, seed=seed, replay=replay)
+                         accumulate=accumulate, optimizer=optimizer, steps=steps, seed=seed, leftover=leftover,
+                         replay=replay)
 
 
 def _keras(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
-           factory=None, input_shape: tuple[int, ...] = (20,)) -> dict:
+           factory=None, input_shape: tuple[int, ...] = (20,), leftover: int | None = None) -> dict:
     """Keras 3 model.fit with hvdp.keras's optimizer, shard and callbacks; the reference uses train_on_batch."""
     import keras
 
     import hvdp.keras as hk
 
-    world, model, reference, make_optimizer, x, y, n, multiplier = _keras_setup(
+    world, model, reference, make_optimizer, x, y, n, multiplier, leftover = _keras_setup(
         "keras", optimizer=optimizer, steps=steps, batch_size=batch_size, accumulate=accumulate, lr=lr,
-        seed=seed, factory=factory, input_shape=input_shape)
+        seed=seed, factory=factory, input_shape=input_shape, leftover=leftover)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer=hk.DistributedOptimizer(make_optimizer(lr), backward_passes_per_step=accumulate),
                   loss=loss_fn)
@@ -253,5 +264,5 @@ def _keras(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     if reference is not None:
         reference.compile(optimizer=make_optimizer(lr * multiplier), loss=loss_fn)
     return _keras_result("keras", world, model, reference, x, y, n, batch_size=batch_size, accumulate=accumulate,
-                         optimizer=optimizer, steps=steps, seed=seed,
+                         optimizer=optimizer, steps=steps, seed=seed, leftover=leftover,
                          replay=lambda xb, yb: reference.train_on_batch(xb, yb))

@@ -39,7 +39,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="per-rank batch b (default 8)")
     parser.add_argument("--accumulate", type=int, default=1, help="backward passes per step (default 1)")
     parser.add_argument("--leftover", type=int, metavar="L",
-                        help="torch: L more samples, so that the last step is short and its last global batch "
+                        help="L more samples, so that the last step is short and its last global batch "
                              "partial, split unevenly among the ranks (default N*b - 1; 0 for whole steps only)")
     parser.add_argument("--compile", metavar="BACKEND",
                         help="torch: the ranks train hvdp.torch.compile(model, backend=BACKEND), e.g. inductor; "
@@ -69,10 +69,6 @@ def run(args) -> int:
             return 2
     if args.leftover is not None and args.leftover < 0:
         print(f"hvdp verify: --leftover must be >= 0, got {args.leftover}", file=sys.stderr)
-        return 2
-    if args.leftover and args.framework != "torch":
-        print(f"hvdp verify: --leftover is for --framework torch only: hvdp.{args.framework}'s shard() does not "
-              f"weight an epoch's partial last batch yet, so that step is not exact there", file=sys.stderr)
         return 2
     if args.stream is not None and args.stream < 0:
         print(f"hvdp verify: --stream must be >= 0, got {args.stream}", file=sys.stderr)
@@ -126,11 +122,10 @@ def _worker(args) -> int:
     from hvdp.tools import equivalence
     shape = tuple(int(d) for d in args.input_shape.split(","))
     factory = load_factory(args.model) if args.model else None
-    extra = ({"leftover": args.leftover, "compile": args.compile, "amp": args.amp, "stream": args.stream}
-             if args.framework == "torch" else {})
+    extra = ({"compile": args.compile, "amp": args.amp, "stream": args.stream} if args.framework == "torch" else {})
     result = equivalence.run(args.framework, optimizer=args.optimizer, steps=args.steps,
                              batch_size=args.batch_size, accumulate=args.accumulate, lr=args.lr,
-                             seed=args.seed, factory=factory, input_shape=shape, **extra)
+                             seed=args.seed, factory=factory, input_shape=shape, leftover=args.leftover, **extra)
     ok = result["max_abs_diff"] <= args.tolerance and result["replicas_identical"]
     if result["rank"] == 0:
         verdict = "PASS" if ok else "FAIL"

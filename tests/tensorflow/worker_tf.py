@@ -236,6 +236,60 @@ def shards_disjoint_covering_reshuffled_whatever_the_global_seed(tmp):
 
 
 @check
+def weights_are_each_steps_exact_factor_and_follow_the_data(tmp):
+    # 43 samples, batch 7: at np=2, 3 full steps of 14 and a last step of 1 sample that rank 1 only tops up
+    # (weight 0 there, 2 on rank 0); at np=1, 6 full steps and one of a single sample.
+    n, b = 43, 7
+    plan = ShardPlan(n=n, batch_size=b, rank=world.rank, size=world.size, seed=11)
+    x = np.arange(n, dtype=np.float32)
+    for passes in (1, 2):
+        data = htf.shard(x, batch_size=b, seed=11, weights=True, backward_passes_per_step=passes)
+        got = [(xb.numpy().tolist(), wb.numpy().tolist()) for xb, wb in data]
+        want = [(idx.astype(np.float32).tolist(), [float(np.float32(plan.gradient_weight(i, 0, passes)))] * len(idx))
+                for i, idx in enumerate(plan.batches(0))]
+        assert got == want, (passes, got[-2:], want[-2:])
+        everyone = hvd.allgather_object(got[-1][1], name=f"weights.last.{passes}")
+        if world.size == 2 and passes == 1:
+            assert everyone == [[2.0], [0.0]], everyone  # the real sample counts twice, the repeat not at all
+        assert all(w == 1.0 for _, ws in got[:-1 if passes == 1 else -2] for w in ws), "full steps stay 1.0"
+        data.hvdp_position.set(0, len(got) - 1)  # resumed at the last batch: the same weight (steps from 0)
+        assert [wb.numpy().tolist() for _, wb in data] == [got[-1][1]]
+    mapped = htf.shard((x, x * 2), batch_size=b, seed=11, weights=True, map=lambda a, c: (a + 1, c))
+    last = list(mapped)[-1]
+    final = plan.steps_per_epoch - 1
+    assert len(last) == 3 and last[2].numpy().tolist() == [float(np.float32(plan.gradient_weight(final)))]
+    assert last[0].numpy().tolist() == (x[plan.batch(0, final)] + 1).tolist(), "map ran on the sample"
+    # Keras: (x, y) -> (x, y, w); (x, y, sw) -> (x, y, sw * w); x alone -> x; sample_weights=False -> (x, y)
+    keras_last = list(hk.shard((x, x), batch_size=b, seed=11))[-1]
+    assert len(keras_last) == 3 and keras_last[2].numpy().tolist() == last[2].numpy().tolist()
+    own = list(hk.shard((x, x, np.full(n, 0.5, np.float32)), batch_size=b, seed=11))[-1]
+    assert own[2].numpy().tolist() == [0.5 * w for w in last[2].numpy().tolist()]
+    assert list(hk.shard(x, batch_size=b, seed=11))[-1].shape == (1,)
+    assert len(list(hk.shard((x, x), batch_size=b, seed=11, sample_weights=False))[-1]) == 2
+    expect(ConfigError, lambda: htf.shard(x, batch_size=b, backward_passes_per_step=0), "integer >= 1")
+
+
+@check
+def flush_applies_the_short_last_accumulation_once(tmp):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    dist = htf.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=3, lr_scaling="none")
+    htf.broadcast(model, dist)
+    assert not dist.flush(), "nothing accumulated: no step"
+    grads = [tf.ones_like(v) * (world.rank + 1) for v in model.trainable_variables]
+    before = [v.numpy() for v in model.trainable_variables]
+    dist.apply(grads, model.trainable_variables)  # one pass of three
+    unchanged = all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables))
+    assert int(dist.iterations) == 0 and unchanged, "one pass of three is not a step"
+    assert dist.flush() and int(dist.iterations) == 1 and not dist.flush(), "one step, then nothing pending"
+    mean = np.mean(np.arange(1, world.size + 1))
+    for a, v in zip(before, model.trainable_variables):  # SGD: w - lr * (the ranks' mean) / k
+        assert np.allclose(v.numpy(), a - 0.1 * mean / 3, atol=1e-6), (v.numpy(), a)
+    for _ in range(3):  # the count starts again: three more passes make exactly one step
+        dist.apply(grads, model.trainable_variables)
+    assert int(dist.iterations) == 2 and not dist.flush()
+
+
+@check
 def fit_follows_fits_epoch_and_reads_each_sample_once(tmp):
     seen = []
     n = 48
