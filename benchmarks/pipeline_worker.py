@@ -2,8 +2,8 @@
 
 Run under horovodrun (np 1 or more) by `hvdp bench`. Rank 0 first writes the data into --dir if it is not
 there: --samples 3x64x64 uint8 images with labels, as 8 TFRecord files (TensorFlow) or one .npy file per
-sample (PyTorch). Every repetition reads one epoch with each implementation in turn, interleaved, with the
-same per-sample work (decode, random crop and flip, scale to float):
+sample (PyTorch). Every repetition reads one epoch with each implementation in turn, interleaved (which one
+goes first alternates), with the same per-sample work (decode, random crop and flip, scale to float):
 
 - tensorflow, hvdp: shard(index_records(files), map=parse), one pread per record, exact order;
 - tensorflow, hand: Horovod's recipe, the file list .shard(size, rank), interleave(TFRecordDataset),
@@ -139,7 +139,8 @@ def main() -> None:
     impls = (_tensorflow if args.framework == "tensorflow" else _torch)(directory, args.batch, world.rank, world.size)
     rates: dict[str, list[float]] = {name: [] for name in impls}
     for epoch in range(args.reps + 1):  # the first round warms up (file cache, workers, tf.data graphs)
-        for name, read_epoch in impls.items():
+        # ABBA: which implementation goes first alternates, so neither always follows the other's teardown
+        for name, read_epoch in list(impls.items())[::1 if epoch % 2 else -1]:
             hvd.broadcast_object(0, name=f"bench.start.{epoch}.{name}")
             start = time.perf_counter()
             samples = read_epoch(epoch)

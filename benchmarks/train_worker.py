@@ -17,67 +17,88 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import MODELS  # noqa: E402
+from models import MODELS, batch, split_name  # noqa: E402
 from teardown import end_gloo_worker  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--impl", choices=["hvdp", "horovod", "ddp", "alone"], required=True)
-    p.add_argument("--model", choices=list(MODELS), required=True)
+    p.add_argument("--model", required=True, help=f"{', '.join(MODELS)}, optionally -compiled and/or -bf16")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--batch", type=int, help="per-rank batch (default: the model's, benchmarks/models.py)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
+                   help="auto: each rank's own GPU when torch sees one (the local rank's), else the CPU")
     args = p.parse_args()
+    use_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
 
-    factory, shape, batch = MODELS[args.model]
-    rank, size = 0, 1
+    base, compiled, bf16 = split_name(args.model)
+    factory, _, batch_size = MODELS[base]
+    batch_size = args.batch or batch_size
+    rank, size, device = 0, 1, torch.device("cuda" if use_gpu else "cpu")
     if args.impl == "hvdp":
         import hvdp.torch as ht
-        world = ht.init()  # hvdp: its tuned runtime defaults apply here
-        rank, size = world.rank, world.size
+        world = ht.init(device="cuda" if use_gpu else "cpu")  # hvdp: its runtime defaults, the rank's own GPU
+        rank, size, device = world.rank, world.size, ht.device()
     elif args.impl == "horovod":
         import horovod.torch as hvd  # as Horovod's docs show
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
+        if use_gpu:
+            torch.cuda.set_device(hvd.local_rank())
+            device = torch.device("cuda", hvd.local_rank())
     elif args.impl == "ddp":
         import torch.distributed as dist
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if use_gpu else "gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
+        if use_gpu:
+            local = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(local)
+            device = torch.device("cuda", local)
     torch.set_num_threads(args.threads)  # the same thread setting for every implementation
 
     torch.manual_seed(0)
-    model = factory()
+    model = factory().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if args.impl == "hvdp":
         optimizer = ht.prepare(model, optimizer, lr_scaling="none")
+        if compiled:
+            model = ht.compile(model)  # hvdp: the compiled backward still overlaps the all-reduce
     elif args.impl == "horovod":
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     elif args.impl == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if use_gpu else None)
+    if compiled and args.impl != "hvdp":
+        model = torch.compile(model)  # as each library's users do (DDP's compiler splits at its buckets)
 
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(batch, *shape, generator=g)
-    y = torch.randint(0, 10, (batch,), generator=g)
+    x, y = (t.to(device) for t in batch(base, batch_size, torch.Generator().manual_seed(rank)))
 
     def step():
         optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
         optimizer.step()
 
     for _ in range(args.warmup):
         step()
+    if use_gpu:
+        torch.cuda.synchronize()
     rates = []
     for _ in range(args.reps):
         start = time.perf_counter()
         for _ in range(args.steps):
             step()
-        rates.append(batch * args.steps / (time.perf_counter() - start))
+        if use_gpu:
+            torch.cuda.synchronize()  # the GPU's queued work belongs to the repetition
+        rates.append(batch_size * args.steps / (time.perf_counter() - start))
     if rank == 0:
         print("bench: " + json.dumps({
-            "impl": args.impl, "model": args.model, "np": size, "threads": args.threads,
+            "impl": args.impl, "model": args.model, "np": size, "threads": args.threads, "device": str(device),
             "samples_per_sec": statistics.median(rates), "spread": [min(rates), max(rates)],
             "env": {k: v for k, v in os.environ.items() if k.startswith(("HOROVOD_CYCLE", "HOROVOD_FUSION",
                                                                           "OMPI_MCA_mpi_yield"))}}), flush=True)

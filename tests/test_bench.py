@@ -50,6 +50,12 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "allreduce busbw" in proc.stdout and "hvdp_vs_ddp" in proc.stdout
     assert "tensorflow training throughput" in proc.stdout
+    gpt = report["training_gpt"]  # the transformer: with --quick its bf16-autocast eager variant only
+    assert gpt["framework"] == "torch" and set(gpt["models"]) == {"gpt-bf16"}
+    rates = gpt["models"]["gpt-bf16"]["samples_per_sec_per_rank"]
+    assert set(rates) == {"hvdp", "horovod", "ddp"} and all(v > 0 for v in rates.values())
+    assert gpt["models"]["gpt-bf16"]["ratios"]["hvdp_vs_ddp"] == rates["hvdp"] / rates["ddp"]
+    assert "torch GPT-style transformer training throughput" in proc.stdout
     for framework in ("torch", "tensorflow"):  # hvdp's sharded input pipeline against a hand-written one
         pipeline = report["pipeline"][framework]
         assert pipeline["samples"] == 4000 and set(pipeline["by_np"]) == {"1", "2"}

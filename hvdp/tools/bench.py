@@ -31,6 +31,12 @@ FRAMEWORKS = {
                               "hvdp_tf_vs_horovod_tf_tuned": ("hvdp-tf", "horovod-tf-tuned")}},
 }
 ALLREDUCE_IMPLS = ("hvdp-mpi", "horovod-mpi", "hvdp-gloo", "torch-gloo", "mpi4py")
+# Today's typical model (benchmarks/models.py's GPT, ~10M parameters in 76 tensors), eager and compiled,
+# fp32 and bf16 autocast, against DDP and raw Horovod (each compiled the way its users do); with --quick,
+# the bf16 eager one only. Steps per repetition: a third of --steps (a step is ~50x the CNN's here).
+GPT = {"variants": ("gpt", "gpt-bf16", "gpt-compiled", "gpt-compiled-bf16"), "quick": ("gpt-bf16",),
+       "impls": ("hvdp", "horovod", "ddp"),
+       "ratios": {"hvdp_vs_ddp": ("hvdp", "ddp"), "hvdp_vs_horovod": ("hvdp", "horovod")}}
 
 
 def add_arguments(parser) -> None:
@@ -39,6 +45,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int,
                         help="timed training steps per repetition (3 repetitions per run; default 30, 10 with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="torch/TF threads per rank, for every impl")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="torch training: where each rank computes, for every impl (default auto: each rank's "
+                             "own GPU when torch sees GPUs, else the CPU)")
     parser.add_argument("--models", default="cnn,mlp", help="comma-separated: cnn (compute-bound), mlp (6.4M)")
     parser.add_argument("--frameworks",
                         help="comma-separated: torch (hvdp vs raw Horovod vs DDP), tensorflow (hvdp-keras and "
@@ -56,6 +65,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--skip-allreduce", action="store_true", help="measure training throughput only")
     parser.add_argument("--skip-pipeline", action="store_true",
                         help="skip the input-pipeline throughput (hvdp's sharded pipelines against hand-written ones)")
+    parser.add_argument("--skip-gpt", action="store_true",
+                        help="skip the GPT-style transformer (eager and compiled, fp32 and bf16; torch only)")
     parser.add_argument("--skip-training", action="store_true",
                         help="measure the all-reduce bandwidth only (every impl, side by side, against memcpy)")
 
@@ -133,13 +144,18 @@ def _impl_run(impl: str) -> tuple[str, bool, dict]:
     return impl, False, {}
 
 
-def _train(framework: str, model: str, args, rounds: int, steps: list[str], raw_env: dict) -> dict:
-    """Every implementation of `framework` training `model`, in `rounds` interleaved rounds, plus one plain
-    process alone and np plain processes side by side (the ceiling) in each round."""
+def _train(framework: str, model: str, args, rounds: int, steps: list[str], raw_env: dict,
+           impls: tuple[str, ...] | None = None, ratios: dict | None = None) -> dict:
+    """Every implementation of `framework` training `model` (or only `impls`, with `ratios`), in `rounds`
+    interleaved rounds, plus one plain process alone and np plain processes side by side (the ceiling) in
+    each round; without `impls`, each distributed implementation at np=1 too (once, not with --quick)."""
     spec = FRAMEWORKS[framework]
     worker_args = ["--model", model, "--threads", str(args.threads), *steps]
-    impls = list(spec["impls"])
     if framework == "torch":
+        worker_args += ["--device", args.device]
+    all_impls, ratios = impls is None, ratios or spec["ratios"]
+    impls = list(spec["impls"] if all_impls else impls)
+    if framework == "torch" and all_impls:
         impls += (["horovod-autotune"] if args.autotune else []) + ([] if args.quick else ["hvdp-no-watchdog"])
     runs: dict[str, list[dict]] = {impl: [] for impl in impls + ["alone", "independent"]}
     for r in range(rounds):
@@ -159,7 +175,7 @@ def _train(framework: str, model: str, args, rounds: int, steps: list[str], raw_
               f"side ...", file=sys.stderr, flush=True)
         runs["independent"].append(_run_side_by_side(alone_cmd, raw_env, args.np))
     np1 = {}
-    if not args.quick:  # each distributed implementation alone (np=1) too, once
+    if not args.quick and all_impls:  # each distributed implementation alone (np=1) too, once
         for impl in spec["impls"]:
             real, tuned, _ = _impl_run(impl)
             if not tuned:
@@ -188,9 +204,9 @@ def _train(framework: str, model: str, args, rounds: int, steps: list[str], raw_
         # each ratio within each round (both sides measured minutes apart at most), then the median of rounds
         "ratios": {name: statistics.median(x["samples_per_sec"] / y["samples_per_sec"]
                                            for x, y in zip(runs[a], runs[b]))
-                   for name, (a, b) in spec["ratios"].items()},
+                   for name, (a, b) in ratios.items()},
         "ratios_per_round": {name: [x["samples_per_sec"] / y["samples_per_sec"] for x, y in zip(runs[a], runs[b])]
-                             for name, (a, b) in spec["ratios"].items()},
+                             for name, (a, b) in ratios.items()},
     }
 
 
@@ -257,6 +273,14 @@ def run(args) -> int:
         result["scaling_efficiency"] = result["models"][first]["scaling_efficiency"][FRAMEWORKS[framework]["impls"][0]]
         report["training" if framework == frameworks[0] else f"training_{framework}"] = result
 
+    if "torch" in frameworks and not (args.skip_training or args.skip_gpt):
+        gpt_steps = ["--warmup", "3", "--steps", str(max(2, n_steps // 3)), "--reps", "3"]
+        report["training_gpt"] = {"framework": "torch", "label": "torch GPT-style transformer", "np": args.np,
+                                  "threads": args.threads, "steps_per_repetition": max(2, n_steps // 3),
+                                  "models": {v: _train("torch", v, args, rounds, gpt_steps, raw_env, GPT["impls"],
+                                                       GPT["ratios"])
+                                             for v in GPT["quick" if args.quick else "variants"]}}
+
     for framework in ([] if args.skip_pipeline else frameworks):
         report.setdefault("pipeline", {})[framework] = _pipeline(framework, args, rounds, raw_env)
 
@@ -300,8 +324,9 @@ def _training_sections(report: dict) -> list[tuple[str, dict]]:
 
 def _print(report: dict) -> None:
     for framework, t in _training_sections(report):
-        print(f"\n{framework} training throughput, np={t['np']}, {t['threads']} thread(s)/rank (samples/s per "
-              f"rank, median of {report['rounds']} interleaved round(s); efficiency = per rank / one plain process)")
+        print(f"\n{t.get('label', framework)} training throughput, np={t['np']}, {t['threads']} thread(s)/rank "
+              f"(samples/s per rank, median of {report['rounds']} interleaved round(s); efficiency = per rank / one "
+              f"plain process)")
         for model, m in t["models"].items():
             print(f"  {model}: alone {m['alone_samples_per_sec']:.0f}; {t['np']} independent processes side by "
                   f"side {m['independent_samples_per_sec_per_rank']:.0f} each (the ceiling per rank)")
