@@ -27,7 +27,7 @@ from train_keras import build_model, training_data  # noqa: E402  (the same CNN 
 
 def main() -> None:
     cfg = parse_config(__doc__.splitlines()[0], epochs=12, batch_size=32, lr=0.03, warmup_epochs=1.0)
-    world = hvdp_tf.init(timeline=cfg.timeline)  # hvdp: rank, size; plain python is size 1
+    world = hvdp_tf.init(timeline=cfg.timeline, device=cfg.device)  # hvdp: rank, size; its own GPU if any
     if cfg.adasum:
         raise ConfigError("--adasum is implemented by the PyTorch adapter only; the TensorFlow/Keras adapters "
                           "average gradients: drop --adasum")

@@ -66,17 +66,19 @@ def training_set(cfg, x: np.ndarray, y: np.ndarray, world) -> tuple[torch.utils.
 
 def main() -> None:
     cfg = parse_config(__doc__.splitlines()[0], epochs=12, batch_size=32, lr=0.03, warmup_epochs=1.0)
-    world = hvdp_torch.init(timeline=cfg.timeline)  # hvdp: rank, size; plain python is size 1
+    world = hvdp_torch.init(timeline=cfg.timeline, device=cfg.device)  # hvdp: rank, size, its own GPU if any
+    device = hvdp_torch.device()  # hvdp: this rank's GPU (cuda:local_rank) or the CPU
     torch.manual_seed(cfg.seed)
 
     x_train, y_train, x_test, y_test = load_data(cfg.data)
     train_set, reading = training_set(cfg, x_train, y_train, world)
     test_set = torch.utils.data.TensorDataset(torch.from_numpy(x_test), torch.from_numpy(y_test))
-    model = Net(x_train.shape[1], num_classes(y_train, y_test))
+    model = Net(x_train.shape[1], num_classes(y_train, y_test)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
 
     # hvdp: this rank's batches
-    loader = hvdp_torch.shard(train_set, batch_size=cfg.batch_size, seed=cfg.seed, **reading)
+    loader = hvdp_torch.shard(train_set, batch_size=cfg.batch_size, seed=cfg.seed,
+                              pin_memory=device.type == "cuda", **reading)
     steps_per_epoch = len(loader) // cfg.accumulate
     optimizer = hvdp_torch.prepare(  # hvdp: scale LR, all-reduce gradients, broadcast rank 0's state
         model, optimizer, lr_scaling=cfg.lr_scaling, warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
@@ -104,6 +106,7 @@ def main() -> None:
         epoch_loss, batches = 0.0, 0
         first = start_step if epoch == start_epoch else 0
         for step, (x, y) in enumerate(hvdp_torch.progress(loader, desc=f"epoch {epoch}", leave=False), first):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             hvdp_torch.check_finite(loss, global_step)  # hvdp: NaN/inf on any rank stops all, naming it
             loss.backward()
@@ -135,7 +138,8 @@ def main() -> None:
         writer.close()
     if world.is_main:  # hvdp: rank 0 saves and reports
         if cfg.save_model:
-            write_atomic(Path(cfg.save_model), lambda f: torch.save(model.state_dict(), f))
+            weights = {k: v.cpu() for k, v in model.state_dict().items()}  # loadable without a GPU
+            write_atomic(Path(cfg.save_model), lambda f: torch.save(weights, f))
         report(metrics, framework="torch", world_size=world.size, epochs=cfg.epochs,
                samples=samples * world.size, seconds=seconds)
 

@@ -30,12 +30,13 @@ def main() -> None:
     if cfg.files:  # rank 0 writes them while the others wait: a worker joining later would wait alone
         raise ConfigError("--files is for train_torch.py; the elastic example reads the data from memory: drop "
                           "--files (or --data FILE.npz)")
-    hvdp_torch.init()
+    hvdp_torch.init(device=cfg.device)
+    device = hvdp_torch.device()  # hvdp: this rank's GPU or the CPU
     torch.manual_seed(cfg.seed)
     x_train, y_train, x_test, y_test = load_data(cfg.data)
     train_set = torch.utils.data.TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
     test_set = torch.utils.data.TensorDataset(torch.from_numpy(x_test), torch.from_numpy(y_test))
-    model = Net(x_train.shape[1], num_classes(y_train, y_test))
+    model = Net(x_train.shape[1], num_classes(y_train, y_test)).to(device)
     loader = hvdp_torch.shard(train_set, batch_size=cfg.batch_size, seed=cfg.seed)
     optimizer = hvdp_torch.prepare(
         model, torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9), lr_scaling=cfg.lr_scaling,
@@ -50,7 +51,7 @@ def main() -> None:
             model.train()
             for step, (x, y) in enumerate(loader, 1):  # after a reset: the rest of the interrupted epoch
                 optimizer.zero_grad()
-                F.cross_entropy(model(x), y).backward()
+                F.cross_entropy(model(x.to(device)), y.to(device)).backward()
                 optimizer.step()
                 state.samples += len(y) * hvdp_torch.hvd.size()
                 if step % COMMIT_EVERY == 0:

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from hvdp.core import checkpoint as ckpt
 from hvdp.core.cpus import cpu_share, threads_per_rank
-from hvdp.core.errors import CheckpointError, SetupError
+from hvdp.core.devices import DeviceRequest, gpu_index, shared_gpus, sharing_error
+from hvdp.core.errors import CheckpointError, ConfigError, SetupError
 from hvdp.core.tuning import apply_runtime_defaults, check_shm_settings
 from hvdp.core.watchdog import Watchdog, open_socket
 from hvdp.core.watchdog import settings as watchdog_settings
@@ -81,6 +82,32 @@ def _thread_share(hvd, world: World) -> int:
     host = socket.gethostname()
     everyone = hvd.allgather_object((host, mine), name="hvdp.cpus")
     return threads_per_rank(mine, [share for h, share in everyone if h == host])
+
+
+def place(hvd, world: World, req: DeviceRequest, visible: int, gpu_id: Callable[[int], str]) -> int | None:
+    """This rank's GPU index among the `visible` ones (hvdp.core.devices.gpu_index), or None for the CPU.
+
+    Collective in a job of 2+ ranks (outside elastic mode, where a joining worker calls init() alone): the
+    ranks exchange which GPU each took, identified by `gpu_id(index)` (a UUID), so that two ranks on one GPU
+    (NCCL's "Duplicate GPU detected", or both out of memory) and a rank that cannot have the device it asked
+    for are a ConfigError on every rank, naming them, instead of a hang or a crash on one.
+    """
+    try:
+        index = gpu_index(req, world.local_rank, visible)
+        mine, problem = (None if index is None else (socket.gethostname(), gpu_id(index))), None
+    except ConfigError as e:
+        index, mine, problem = None, None, str(e)
+    if world.size == 1 or elastic():
+        everyone = [(mine, problem)]
+    else:
+        everyone = hvd.allgather_object((mine, problem), name="hvdp.gpus")
+    failed = [(rank, p) for rank, (_, p) in enumerate(everyone) if p]
+    if failed:
+        raise ConfigError("; ".join(f"rank {rank}: {p}" for rank, p in failed), rank=world.rank)
+    message = None if req.share else sharing_error(shared_gpus([m for m, _ in everyone]), visible)
+    if message:
+        raise ConfigError(message, rank=world.rank)
+    return index
 
 
 _watchdog: Watchdog | None = None

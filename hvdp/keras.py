@@ -43,19 +43,23 @@ from hvdp.tensorflow import (  # noqa: F401  (the shared implementation, re-expo
 )
 
 
-def init(*, timeline: str | None = None) -> World:
-    """Initialise Horovod and return this process's World (see hvdp.tensorflow.init).
+def init(*, timeline: str | None = None, device: str | None = None, share_gpus: bool | None = None) -> World:
+    """Initialise Horovod and return this process's World (see hvdp.tensorflow.init, which also gives each
+    rank its own GPU when TensorFlow sees GPUs).
 
-    Every rank must call it. Safe to call twice.
+    Every rank must call it, before TensorFlow uses a GPU. Safe to call twice.
 
     Args:
         timeline: write Horovod's timeline (Chrome trace of every collective) to this path (default None).
+        device: "auto", "cpu", "cuda" or "cuda:N" (default None: HVDP_DEVICE, else "auto").
+        share_gpus: allow several ranks on one GPU (default None: HVDP_SHARE_GPUS=1, else False).
 
     Raises:
         SetupError: launched by an MPI launcher, but Horovod was built without MPI.
-        ConfigError: a malformed HVDP_SHM_* or HVDP_WATCHDOG_TIMEOUT environment variable.
+        ConfigError: a malformed HVDP_* environment variable, a device that cannot be had, or ranks sharing
+            a GPU unasked (see hvdp.tensorflow.init).
     """
-    return _tf.init(timeline=timeline)
+    return _tf.init(timeline=timeline, device=device, share_gpus=share_gpus)
 
 
 def world() -> World:

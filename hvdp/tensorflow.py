@@ -46,6 +46,7 @@ import keras
 from hvdp import _horovod
 from hvdp.core import checkpoint as ckpt
 from hvdp.core import consistency
+from hvdp.core import devices as _devices
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
 from hvdp.core.records import RecordIndex, RecordReader, index_records
 from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
@@ -58,7 +59,7 @@ _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 FRAMEWORK = "tensorflow"  # the checkpoint tag: hvdp.tensorflow and hvdp.keras write the same format
 
 
-def init(*, timeline: str | None = None) -> World:
+def init(*, timeline: str | None = None, device: str | None = None, share_gpus: bool | None = None) -> World:
     """Initialise Horovod (horovodrun, mpirun, or plain python as size 1) and return this process's World.
 
     Every rank must call it (Horovod's init, the watchdog's address exchange and the CPU count are collective); a second
@@ -69,20 +70,32 @@ def init(*, timeline: str | None = None) -> World:
     TensorFlow's thread pools (TensorFlow would otherwise start one thread per core in every rank); if an
     op already ran, TensorFlow's pools are kept as they are.
 
+    When TensorFlow sees GPUs, each rank is given its own, GPU local_rank % (GPUs it sees), as the only GPU
+    TensorFlow may use, with memory growth on (TensorFlow would otherwise map every GPU's memory in every
+    rank); the ranks check that no two of them got the same GPU. Call init() before TensorFlow uses a GPU.
+
     Args:
         timeline: write Horovod's timeline (Chrome trace of every collective) to this path; default None:
             no timeline.
+        device: "auto" (the rank's GPU when TensorFlow sees one, else the CPU), "cpu" (no GPU visible to
+            TensorFlow), "cuda" (the rank's GPU, an error without one) or "cuda:N"; default None:
+            HVDP_DEVICE, else "auto".
+        share_gpus: allow several ranks on one GPU (default None: HVDP_SHARE_GPUS=1, else False).
 
     Returns:
         This process's World (rank, size, local_rank, local_size).
 
     Raises:
         SetupError: launched by mpirun or horovodrun's MPI mode, but Horovod was built without MPI.
-        ConfigError: a malformed HVDP_SHM_* or HVDP_WATCHDOG_TIMEOUT environment variable, or Keras runs
-            on a backend other than TensorFlow (KERAS_BACKEND), on every rank.
+        ConfigError: a malformed HVDP_SHM_*, HVDP_WATCHDOG_TIMEOUT, HVDP_DEVICE or HVDP_SHARE_GPUS; Keras
+            runs on a backend other than TensorFlow (KERAS_BACKEND); a device that cannot be had, ranks
+            sharing a GPU unasked, or TensorFlow already using GPUs before init(): on every rank.
     """
+    first = not hvd.is_initialized()
     w = _horovod.init("tensorflow", timeline)[1]
     _check_keras_backend(w.rank)
+    if first or device is not None:
+        _place(w, _devices.request(device, share_gpus))
     if "OMP_NUM_THREADS" not in os.environ:
         threads = _horovod.threads()
         try:
@@ -96,6 +109,22 @@ def init(*, timeline: str | None = None) -> World:
 def world() -> World:
     """This process's World (rank, size, local_rank, local_size); call init() first (Horovod raises before)."""
     return World.from_horovod(hvd)
+
+
+def _place(w: World, req) -> None:
+    """Make only this rank's GPU visible to TensorFlow (none for the CPU), with memory growth."""
+    gpus = tf.config.list_physical_devices("GPU")  # does not start TensorFlow's GPU runtime
+    env_gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+    index = _horovod.place(hvd, w, req, len(gpus), lambda i: f"{env_gpus}#{i}")
+    if not gpus:
+        return
+    try:
+        tf.config.set_visible_devices([] if index is None else [gpus[index]], "GPU")
+        if index is not None:
+            tf.config.experimental.set_memory_growth(gpus[index], True)
+    except RuntimeError as e:  # TensorFlow's GPU runtime already started: every GPU is mapped in this rank
+        raise ConfigError(f"TensorFlow already used its GPUs before hvdp.tensorflow.init() ({e}): call init() "
+                          f"first, before building a model or running an op", rank=w.rank) from e
 
 
 def _check_keras_backend(rank: int) -> None:
@@ -438,8 +467,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         With backward_passes_per_step=k, an epoch of j*k + r batches leaves r passes accumulated; without
         a flush they would join the next epoch's first step. The gradients of those r passes, weighted by
         shard(weights=True, backward_passes_per_step=k), are all-reduced and applied here, so that step is
-        one process's mean over its samples; the next step's passes are counted from zero. A collective:
-        call it on every rank, eagerly, after the epoch (hvdp.keras.callbacks does it at each epoch's end).
+        one process's mean over its samples; the next step's passes are counted from zero. Every rank must
+        call it, eagerly, after the epoch (hvdp.keras.callbacks does it at each epoch's end).
 
         Returns:
             Whether a step was applied (False with k == 1 or nothing accumulated).

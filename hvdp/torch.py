@@ -40,6 +40,7 @@ import torch.utils.data
 from hvdp import _horovod
 from hvdp.core import checkpoint as ckpt
 from hvdp.core import consistency
+from hvdp.core import devices as _devices
 from hvdp.core.errors import (CheckpointError, ConfigError, DataError, DivergenceError, HvdpError, NonFiniteLossError,
                               SetupError)
 from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
@@ -56,7 +57,7 @@ _OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
 _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 
 
-def init(*, timeline: str | None = None) -> World:
+def init(*, timeline: str | None = None, device: str | None = None, share_gpus: bool | None = None) -> World:
     """Initialise Horovod (horovodrun, mpirun, or plain python as size 1) and return this process's World.
 
     Every rank must call it (Horovod's init, the watchdog's address exchange and the CPU count are collective); a second
@@ -66,26 +67,74 @@ def init(*, timeline: str | None = None) -> World:
     affinity and cgroup quota, split among the ranks on its host that share them; hvdp.core.cpus) for
     torch's intra-op threads (torch would otherwise start one thread per core in every rank).
 
+    When torch sees GPUs, each rank takes its own: GPU local_rank % (GPUs it sees), made torch's current
+    device (torch.cuda.set_device) and returned by device(); put the model and batches there
+    (`model.to(hvdp_torch.device())`). The ranks check that no two of them got the same GPU.
+
     Args:
         timeline: write Horovod's timeline (Chrome trace of every collective) to this path; default None:
             no timeline.
+        device: "auto" (the rank's GPU when torch sees one, else the CPU), "cpu", "cuda" (the rank's GPU,
+            an error without one) or "cuda:N" (GPU N, for users who place ranks themselves); default None:
+            HVDP_DEVICE, else "auto".
+        share_gpus: allow several ranks on one GPU (default None: HVDP_SHARE_GPUS=1, else False: an error
+            naming the ranks when a host has more ranks than GPUs).
 
     Returns:
         This process's World (rank, size, local_rank, local_size).
 
     Raises:
         SetupError: launched by mpirun or horovodrun's MPI mode, but Horovod was built without MPI.
-        ConfigError: a malformed HVDP_SHM_* or HVDP_WATCHDOG_TIMEOUT environment variable.
+        ConfigError: a malformed HVDP_SHM_*, HVDP_WATCHDOG_TIMEOUT, HVDP_DEVICE or HVDP_SHARE_GPUS; a device
+            that cannot be had, or ranks sharing a GPU unasked (on every rank).
     """
+    global _device
+    first = not hvd.is_initialized()
     w = _horovod.init("torch", timeline)[1]
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(_horovod.threads())
+    if first or device is not None or _device is None:
+        req = _devices.request(device, share_gpus)
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = _horovod.place(hvd, w, req, visible, _gpu_id)
+        if index is None:
+            _device = torch.device("cpu")
+        else:
+            torch.cuda.set_device(index)
+            _device = torch.device("cuda", index)
     return w
+
+
+_device: torch.device | None = None
+
+
+def _gpu_id(index: int) -> str:
+    """What identifies GPU `index` across processes: its UUID (the same GPU whatever CUDA_VISIBLE_DEVICES)."""
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return str(uuid) if uuid is not None else f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'all')}#{index}"
+
+
+def device() -> torch.device:
+    """This rank's device, chosen by init(): its own GPU (cuda:i) when torch sees GPUs, else the CPU.
+
+    Raises:
+        ConfigError: init() was not called yet.
+    """
+    if _device is None:
+        raise ConfigError("hvdp.torch.device() is chosen by init(): call hvdp.torch.init() first")
+    return _device
 
 
 def world() -> World:
     """This process's World (rank, size, local_rank, local_size); call init() first (Horovod raises before)."""
     return World.from_horovod(hvd)
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    """Where `module` computes: its first parameter's or buffer's device (the CPU for a module with none)."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 # --------------------------------------------------------------------------------------------- optimizer
@@ -369,11 +418,14 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         self._check_input_dim(x)
         channels = x.size(1)
         dims = [0, *range(2, x.dim())]
-        count = torch.tensor([x.numel() // channels], dtype=x.dtype)
-        stats = hvd.allreduce(torch.cat([x.sum(dims), (x * x).sum(dims), count]), op=hvd.Sum)
+        # Statistics in float32 at least (a bf16/fp16 input under autocast would lose them to rounding), on
+        # the input's device; the variance clamped at 0 (E[x^2] - E[x]^2 can round below it).
+        xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        count = torch.tensor([x.numel() // channels], dtype=xf.dtype, device=x.device)
+        stats = hvd.allreduce(torch.cat([xf.sum(dims), (xf * xf).sum(dims), count]), op=hvd.Sum)
         n = stats[-1]
         mean = stats[:channels] / n
-        var = stats[channels:2 * channels] / n - mean * mean
+        var = (stats[channels:2 * channels] / n - mean * mean).clamp_min(0)
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked += 1
@@ -381,10 +433,10 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                 self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
                 self.running_var.mul_(1 - m).add_(var.detach() * n / max(float(n) - 1, 1.0), alpha=m)
         shape = [1, channels] + [1] * (x.dim() - 2)
-        y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        y = (xf - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
-        return y
+        return y.to(x.dtype)
 
 
 def _convert_sync_batchnorm(module: torch.nn.Module) -> None:
@@ -755,7 +807,8 @@ def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch
     """Loss and accuracy of a classifier over `dataset`, counting every sample exactly once on any world size.
 
     Each rank scores a contiguous, unpadded slice; the sums are all-reduced. Every rank must call it, with
-    the same dataset. Runs under torch.no_grad() with the model in eval mode, then restores its mode.
+    the same dataset. Runs under torch.no_grad() with the model in eval mode, then restores its mode; the
+    batches go to the model's device (its first parameter's: the rank's GPU when it is there).
 
     Args:
         model: a classifier: model(x) returns logits of shape (N, classes); accuracy uses argmax(1).
@@ -774,8 +827,10 @@ def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch
     subset = torch.utils.data.Subset(dataset, range(start, stop))
     was_training = model.training
     model.eval()
+    where = _module_device(model)  # the batches go where the model is (the rank's GPU)
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
-    for x, y in torch.utils.data.DataLoader(subset, batch_size=batch_size):
+    for x, y in torch.utils.data.DataLoader(subset, batch_size=batch_size, pin_memory=where.type == "cuda"):
+        x, y = x.to(where, non_blocking=True), y.to(where, non_blocking=True)
         out = model(x)
         sums += torch.tensor([float(loss_fn(out, y, reduction="sum")),
                               float((out.argmax(1) == y).sum()), len(y)], dtype=torch.float64)
@@ -983,12 +1038,17 @@ def _fingerprint(model: torch.nn.Module) -> str:
 
 def _rng_state() -> dict:
     np_state = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout on a GPU draws from its generator
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
+    return state
 
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())
     random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
@@ -1117,7 +1177,8 @@ def _read(path: Path, model: torch.nn.Module, resharding_data: bool) -> dict:
 
 
 class _TorchArrays(_horovod.ArrayOps):
-    """CPU tensors for _horovod.broadcast_tree: their bytes, viewed as uint8, go through Horovod's broadcast."""
+    """Tensors for _horovod.broadcast_tree: their bytes, viewed as uint8 in host memory, go through Horovod's
+    broadcast; the receiving side's load_state_dict puts them on the model's device."""
 
     def is_array(self, x) -> bool:
         return isinstance(x, torch.Tensor)
@@ -1132,8 +1193,8 @@ class _TorchArrays(_horovod.ArrayOps):
         return (isinstance(x, torch.Tensor) and tuple(x.shape) == ref.shape and x.dtype == ref.dtype
                 and x.device.type == "cpu" and x.is_contiguous())
 
-    def as_bytes(self, x):
-        return x.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    def as_bytes(self, x):  # a GPU tensor is sent from a host copy (and arrives in host memory elsewhere)
+        return x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
     def broadcast(self, hvd_, buffer, name: str) -> None:
         hvd_.broadcast_(torch.from_numpy(buffer), root_rank=0, name=name)
@@ -1157,6 +1218,6 @@ def _into(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable:
     return into
 
 
-__all__ = ["init", "world", "prepare", "compile", "broadcast", "current_lr", "shard", "ShardSampler", "average",
-           "evaluate", "log", "progress", "SyncBatchNorm", "check_consistency", "check_finite", "save_checkpoint",
+__all__ = ["init", "world", "device", "prepare", "compile", "broadcast", "current_lr", "shard", "ShardSampler",
+           "average", "evaluate", "log", "progress", "SyncBatchNorm", "check_consistency", "check_finite", "save_checkpoint",
            "load_checkpoint", "ElasticState", "elastic_run", "HvdpError"]

@@ -26,6 +26,7 @@ MODULES = (
     "hvdp.core.checkpoint",
     "hvdp.core.config",
     "hvdp.core.consistency",
+    "hvdp.core.devices",
     "hvdp.core.errors",
     "hvdp.core.scaling",
     "hvdp.core.sharding",
@@ -43,7 +44,8 @@ COLLECTIVES = {
                    "ElasticState.sync"},
     "hvdp.tensorflow": {"init", "barrier", "allreduce_gradients", "broadcast", "average", "evaluate",
                         "check_consistency", "check_finite", "save_checkpoint", "load_checkpoint",
-                        "DistributedGradientTape.gradient", "DistributedOptimizer.apply"},
+                        "DistributedGradientTape.gradient", "DistributedOptimizer.apply",
+                        "DistributedOptimizer.flush"},
     "hvdp.keras": {"init", "callbacks"},
 }
 

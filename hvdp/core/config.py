@@ -59,6 +59,9 @@ class TrainConfig:
     files: str | None = field(default=None, metadata=_opt(
         "train from files in this directory, written there first from the training data if it has none "
         "(TFRecord files for TensorFlow/Keras, one .npy file per sample for PyTorch)"))
+    device: str = field(default="auto", metadata=_opt(
+        "where each rank computes: auto (its own GPU when the framework sees GPUs, else the CPU), cpu, or cuda "
+        "(its own GPU, an error without one)", choices=("auto", "cpu", "cuda")))
     logdir: str | None = field(default=None, metadata=_opt("write TensorBoard scalars here (rank 0)"))
     timeline: str | None = field(default=None, metadata=_opt(
         "write Horovod's timeline (Chrome trace, open in chrome://tracing) to this path"))
@@ -72,7 +75,7 @@ class TrainConfig:
             raise ConfigError(f"lr must be > 0, got {self.lr!r}")
         if not self.warmup_epochs >= 0:
             raise ConfigError(f"warmup_epochs must be >= 0, got {self.warmup_epochs!r}")
-        for name in ("lr_scaling", "compression"):
+        for name in ("lr_scaling", "compression", "device"):
             choices = type(self).__dataclass_fields__[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")

@@ -82,8 +82,21 @@ def _mpi_version() -> str | None:
 _PROBE = """
 import json, sys
 ext = __import__("horovod." + sys.argv[1], fromlist=["mpi_built"])
-print(json.dumps({k: bool(getattr(ext, k + "_built")()) for k in ("mpi", "gloo", "nccl", "ddl", "ccl")}))
+out = {k: bool(getattr(ext, k + "_built")()) for k in ("mpi", "gloo", "nccl", "ddl", "ccl", "cuda", "rocm")}
+if sys.argv[1] == "torch":
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if n and hasattr(torch.cuda, "nccl") else None
+    out["gpu"] = {"framework": "torch " + torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
+                  "gpus": [torch.cuda.get_device_name(i) for i in range(n)]}
+else:
+    import tensorflow as tf
+    out["gpu"] = {"framework": "tensorflow " + tf.__version__, "cuda": tf.sysconfig.get_build_info().get("cuda_version"),
+                  "nccl": None, "gpus": [d.name for d in tf.config.list_physical_devices("GPU")]}
+print(json.dumps(out))
 """
+_OPS = ("mpi", "gloo", "nccl", "ddl", "ccl")
+_gpus: dict[str, dict] = {}  # framework -> what its probe saw of GPUs (check_build fills it)
 
 
 def check_build() -> dict[str, bool] | None:
@@ -105,6 +118,8 @@ def check_build() -> dict[str, bool] | None:
             proc.kill()
             answer = None
         built[name] = answer is not None
+        if answer is not None:
+            _gpus[name] = {**answer.pop("gpu"), "horovod_cuda": answer.pop("cuda"), "horovod_rocm": answer.pop("rocm")}
         for k, v in (answer or {}).items():
             ops[k] = ops.get(k, False) or v
     built["MXNet"] = False  # hvdp builds no MXNet support
@@ -156,6 +171,8 @@ def run(args) -> int:
         print("  bfloat16 tensors (torch): " + ("supported" if bf16 else
               "not in this Horovod: a bf16 model fails in prepare() (`make setup` builds the support in)"))
 
+    problems += _print_gpus(built)
+
     launcher = detect_launcher()
     world = World.from_env()
     print(f"\nLauncher: {launcher}; rank {world.rank} of {world.size} "
@@ -184,6 +201,27 @@ def run(args) -> int:
     for p in problems:
         print(f"  - {p}")
     return 1 if problems else 0
+
+
+def _print_gpus(built: dict | None) -> list[str]:
+    """The GPUs each framework sees, its CUDA and NCCL, and Horovod's GPU operations; the problems found."""
+    print("\nGPUs:")
+    if not _gpus:
+        print("  (not checked)")
+        return []
+    problems = []
+    for name, g in _gpus.items():
+        seen = ", ".join(f"{i}: {d}" for i, d in enumerate(g["gpus"])) or "none"
+        cuda = f"CUDA {g['cuda']}" if g["cuda"] else "a CPU build"
+        nccl = f", NCCL {g['nccl']}" if g["nccl"] else ""
+        print(f"  {name:<10} {g['framework']} ({cuda}{nccl}); GPUs visible: {seen}")
+    ops = "NCCL" if built and built.get("NCCL") else "none (CUDA tensors are staged through host memory)"
+    gpu_build = any(g["horovod_cuda"] or g["horovod_rocm"] for g in _gpus.values())
+    print(f"  Horovod's GPU operations: {ops}; built with CUDA: {'yes' if gpu_build else 'no'}")
+    if any(g["gpus"] for g in _gpus.values()) and not (built and built.get("NCCL")):
+        problems.append("GPUs are visible but this Horovod has no NCCL operations: GPU gradients would go through "
+                        "host memory; build it with NCCL (`make setup-cuda`, docs/gpus.md)")
+    return problems
 
 
 if __name__ == "__main__":  # `python -m hvdp.tools.doctor`: the build check alone (scripts/setup.sh)

@@ -61,7 +61,7 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
         model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), 32),
                                     torch.nn.Tanh(), torch.nn.Linear(32, 4))
     with torch.no_grad():
-        classes = model(torch.zeros(2, *input_shape)).shape[-1]
+        classes = model(torch.zeros(2, *input_shape)).shape[-1]  # before the model moves to the rank's device
 
     def make_optimizer(params, rate):
         if optimizer == "adam":
@@ -71,17 +71,19 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     leftover = _leftover(leftover, world.size, batch_size)
     n = steps * accumulate * world.size * batch_size + leftover
     x, y = (torch.from_numpy(a) for a in synthetic_data(n, input_shape, classes, seed))
+    where = ht.device()  # the rank's GPU when there is one: both sides compute there
+    model.to(where)
     # Rank 0's initial weights are what every rank holds after the broadcast in prepare().
     reference = copy.deepcopy(model) if world.rank == 0 else None
 
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
 
     def loss_of(module, xb, yb):
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            return F.cross_entropy(module(xb), yb)
+        with torch.autocast(where.type, dtype=dtype, enabled=dtype is not None):
+            return F.cross_entropy(module(xb.to(where)), yb.to(where))
 
     def scaler():  # fp16 gradients underflow without loss scaling; bf16 and fp32 need none
-        return torch.amp.GradScaler("cpu", enabled=amp == "fp16")
+        return torch.amp.GradScaler(where.type, enabled=amp == "fp16")
 
     dist = ht.prepare(model, make_optimizer(model.parameters(), lr), backward_passes_per_step=accumulate)
     forward = ht.compile(model, backend=compile) if compile else model
@@ -134,7 +136,7 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     diff = ht.hvd.broadcast_object(diff, root_rank=0, name="hvdp.verify.diff")
     return {"rank": world.rank, "size": world.size, "framework": "torch", "optimizer": optimizer,
             "steps": steps + (1 if leftover else 0), "accumulate": accumulate, "leftover": leftover,
-            "compile": compile, "amp": amp, "stream": stream,
+            "compile": compile, "amp": amp, "stream": stream, "device": str(where),
             "max_abs_diff": diff, "replicas_identical": identical}
 
 

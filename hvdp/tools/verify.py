@@ -49,6 +49,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--stream", type=int, metavar="WORKERS",
                         help="torch: the ranks read the data as a stream (an IterableDataset of unknown length) "
                              "with this many DataLoader workers (0: none)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                        help="torch: where the ranks and the one process compute (default: HVDP_DEVICE, else auto: "
+                             "each rank's own GPU when torch sees GPUs, else the CPU)")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--tolerance", type=float,
                         help="max |weight difference| allowed (default 1e-5; with --amp " +
@@ -73,7 +76,7 @@ def run(args) -> int:
     if args.stream is not None and args.stream < 0:
         print(f"hvdp verify: --stream must be >= 0, got {args.stream}", file=sys.stderr)
         return 2
-    for name in ("compile", "amp", "stream"):
+    for name in ("compile", "amp", "stream", "device"):
         if getattr(args, name) not in (None, False) and args.framework != "torch":
             print(f"hvdp verify: --{name} is for --framework torch only", file=sys.stderr)
             return 2
@@ -102,6 +105,7 @@ def _forward(args) -> list[str]:
     out += ["--compile", args.compile] if args.compile else []
     out += ["--amp", args.amp] if args.amp else []
     out += ["--stream", str(args.stream)] if args.stream is not None else []
+    out += ["--device", args.device] if args.device else []
     return out + (["--model", args.model] if args.model else [])
 
 
@@ -120,6 +124,8 @@ def load_factory(spec: str):
 
 def _worker(args) -> int:
     from hvdp.tools import equivalence
+    if args.device:
+        os.environ["HVDP_DEVICE"] = args.device  # before hvdp.torch.init() chooses the rank's device
     shape = tuple(int(d) for d in args.input_shape.split(","))
     factory = load_factory(args.model) if args.model else None
     extra = ({"compile": args.compile, "amp": args.amp, "stream": args.stream} if args.framework == "torch" else {})
@@ -133,6 +139,7 @@ def _worker(args) -> int:
         tail += f", compiled ({result['compile']})" if result.get("compile") else ""
         tail += f", autocast {result['amp']}" if result.get("amp") else ""
         tail += f", read as a stream ({result['stream']} workers)" if result.get("stream") is not None else ""
+        tail += f", on {result['device']}" if result.get("device", "cpu") != "cpu" else ""
         print(f"{result['size']} ranks x batch {args.batch_size} (x{args.accumulate} accumulated) vs 1 process x "
               f"batch {result['size'] * args.batch_size * args.accumulate}, {args.optimizer}, {args.steps} "
               f"steps{tail}: "

@@ -290,6 +290,15 @@ def flush_applies_the_short_last_accumulation_once(tmp):
 
 
 @check
+def tf_sees_no_gpu_here_and_asking_for_one_fails_on_every_rank(tmp):
+    assert not tf.config.get_visible_devices("GPU"), "no GPU on this machine"
+    e = expect(ConfigError, lambda: htf.init(device="cuda"), "sees no GPU")
+    assert f"rank {world.rank}" in str(e) and "rank 0: device cuda was asked for" in str(e), str(e)
+    expect(ConfigError, lambda: hk.init(device="tpu"), "is not a device")
+    assert htf.init(device="cpu") == world
+
+
+@check
 def fit_follows_fits_epoch_and_reads_each_sample_once(tmp):
     seen = []
     n = 48

@@ -562,6 +562,35 @@ def sync_batchnorm_uses_global_statistics(tmp):
     assert torch.allclose(model[1].running_var, bn.running_var, atol=1e-4)
 
 
+@check
+def sync_batchnorm_keeps_float32_statistics_for_bf16_input(tmp):
+    # Under autocast a BatchNorm sees bf16 activations: summing them in bf16 loses the statistics (and
+    # E[x^2] - E[x]^2 rounds below 0 for a near-constant channel). hvdp accumulates in float32, clamps.
+    sync = ht.SyncBatchNorm(3)
+    sync.train()
+    g = torch.Generator().manual_seed(9)
+    full = torch.randn(64 * world.size, 3, generator=g) * 0.01 + torch.tensor([1000.0, 0.0, -5.0])
+    mine = full[world.rank * 64:(world.rank + 1) * 64].bfloat16()
+    out = sync(mine)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all(), "finite, in the input's dtype"
+    exact = full.bfloat16().float()  # what float32 statistics of the same bf16 values give
+    assert torch.allclose(sync.running_mean, 0.9 * torch.zeros(3) + 0.1 * exact.mean(0), rtol=1e-5, atol=1e-5)
+    assert (sync.running_var >= 0).all() and torch.allclose(
+        sync.running_var, 0.9 + 0.1 * exact.var(0), rtol=1e-4, atol=1e-6), sync.running_var
+
+
+@check
+def every_rank_computes_on_the_cpu_here_and_a_missing_gpu_fails_on_every_rank(tmp):
+    assert ht.device() == torch.device("cpu"), "no GPU on this machine: each rank's device is the CPU"
+    # Asking for a GPU that is not there is a ConfigError on every rank (none is left waiting in the exchange),
+    # naming the rank; the rank then keeps its device.
+    e = expect(ConfigError, lambda: ht.init(device="cuda"), "sees no GPU")
+    assert f"rank {world.rank}" in str(e) and "rank 0: device cuda was asked for" in str(e), str(e)
+    assert ht.device() == torch.device("cpu")
+    expect(ConfigError, lambda: ht.init(device="gpu0"), "is not a device")
+    assert ht.init(device="cpu") == world and ht.device() == torch.device("cpu")
+
+
 # ---------------------------------------------------------------------------------------- evaluation
 
 @check
