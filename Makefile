@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 NP    ?= 2
 
-.PHONY: setup test test-fast soak train bench docker-test clean
+.PHONY: setup test test-fast soak train bench docker-test clean setup-cuda test-cuda-build gpu-wheels
 
 setup:
 	@bash scripts/setup.sh
@@ -32,3 +32,33 @@ docker-test: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# The CUDA 13 + NCCL Horovod (PyTorch, Gloo, no MPI) in .venv-cuda, compiled without a GPU; not part of
+# `make test` (a ~4-minute build and a multi-GB download). scripts/setup_cuda.sh prints the wheel's path.
+CUDA_VENV ?= .venv-cuda
+setup-cuda:
+	@VENV=$(abspath $(CUDA_VENV)) bash scripts/setup_cuda.sh
+
+# The PyTorch tests under that build, CPU tensors only. Its MPI launches skip (tests/launch.py) and so do
+# the TensorFlow tests (tests/conftest.py: it is not installed there), each saying why; the doctor's
+# full-stack check (TensorFlow and MPI) is left out: setup-cuda checks what this build must have. So is the
+# horovodrun half of the no-MPI message test: it fakes a Gloo-only Horovod inside the worker, but under a real
+# one `horovodrun --mpi` itself refuses ("MPI support has not been built") before any worker starts.
+CUDA_TESTS ?= tests/core tests/torch tests/faults tests/test_examples_torch.py tests/test_cli.py \
+	tests/test_imports.py tests/test_api_docs.py tests/test_resume_resize.py
+test-cuda-build: setup-cuda
+	PATH=$(abspath $(CUDA_VENV))/bin:$$PATH $(CUDA_VENV)/bin/python -m pytest -q $(CUDA_TESTS) \
+		--deselect tests/test_cli.py::test_doctor_explains_the_stack \
+		--deselect "tests/faults/test_bad_input.py::test_mpi_launch_of_a_horovod_built_without_mpi_says_how_to_fix[horovodrun]"
+
+# What scripts/gpu_check.sh installs on a GPU machine without network (docs/gpus.md): the CUDA Horovod wheel,
+# its dependencies as cp312 wheels (the versions .venv-cuda tested) and the bundled digits as .npz.
+GPU_WHEELS ?= build/gpu-wheels
+gpu-wheels: setup-cuda setup
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	cp "$$(cat $(CUDA_VENV)/.hvdp-stamp.horovod)" $(GPU_WHEELS)/
+	$(CUDA_VENV)/bin/python -m pip download -q --no-deps --only-binary=:all: -d $(GPU_WHEELS) \
+		$$($(CUDA_VENV)/bin/python -m pip freeze | grep -iE '^(cloudpickle|psutil|pyyaml|packaging|numpy)==')
+	$(PY) -c "from sklearn.datasets import load_digits; import numpy as np; d = load_digits(); \
+		np.savez('$(GPU_WHEELS)/digits.npz', x=d.images[:, None] / 16.0, y=d.target)"
+	@du -sh $(GPU_WHEELS) && ls $(GPU_WHEELS)

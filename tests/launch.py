@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -25,8 +26,33 @@ def env(**extra: str) -> dict:
     return e
 
 
+@functools.cache
+def horovod_mpi_built() -> bool | None:
+    """Horovod's own answer to mpi_built() (what `horovodrun --check-build` lists as MPI), asked once per
+    session in a fresh process; None when it cannot answer (no Horovod, or it fails to load)."""
+    proc = subprocess.run([sys.executable, "-c", "import horovod.torch as hvd; print(bool(hvd.mpi_built()))"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    answer = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
+    return {"True": True, "False": False}.get(answer[0]) if answer else None
+
+
+NO_MPI = ("this Horovod was built without MPI (horovod.torch.mpi_built() is False; `horovodrun --check-build` "
+          "lists no MPI), so its {} launch cannot run; `make setup` builds the Horovod with MPI")
+
+
+def skip_without_mpi(launcher: str) -> None:
+    """Skip the calling test when `launcher` needs MPI ('mpi': horovodrun --mpi, 'mpirun') and this Horovod
+    says it has none, as the CUDA build of `make setup-cuda` does. An unknown answer skips nothing: the
+    launch then fails and says why."""
+    if launcher in ("mpi", "mpirun") and horovod_mpi_built() is False:
+        import pytest
+        pytest.skip(NO_MPI.format("horovodrun --mpi" if launcher == "mpi" else "mpirun"))
+
+
 def launcher_cmd(launcher: str, np: int = 2) -> list[str]:
-    """The command prefix for `launcher`: 'mpi' / 'gloo' (horovodrun), 'mpirun', or 'python'."""
+    """The command prefix for `launcher`: 'mpi' / 'gloo' (horovodrun), 'mpirun', or 'python'. Skips the
+    calling test when `launcher` needs an MPI that this Horovod was built without."""
+    skip_without_mpi(launcher)
     if launcher == "python":
         return [sys.executable]
     if launcher == "mpirun":

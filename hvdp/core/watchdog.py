@@ -57,7 +57,7 @@ class PeerState:
     step: int = -1
     phase: str = "starting"
     heard: float = field(default_factory=time.monotonic)
-    seq: int = -1
+    seq: int = 0  # the last sequence number taken; a sender's first is 1, so no packet numbered 0 is ever new
 
 
 def settings(environ=None) -> tuple[bool, float, float]:

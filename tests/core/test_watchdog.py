@@ -212,6 +212,20 @@ def test_thread_survives_garbage_and_keeps_watching():
     dogs[0]._stop.set()
 
 
+def test_a_replayed_goodbye_before_the_first_heartbeat_does_not_hide_a_peer():
+    # Sequence numbers start at 1: a signed packet numbered 0 was never sent (a replay or a forgery), so it
+    # must not count even before the peer's first heartbeat; it used to take rank 1 off the watch for good.
+    dogs, fired, messages = pair(timeout=1.0)
+    dogs[0].start()  # rank 1 never starts: silent from the first moment
+    dogs[0].progress(1, WAITING)
+    attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    attacker.sendto(GARBAGE["signed but replayed"], tuple(dogs[0].peers[0][0]))
+    attacker.close()
+    assert fired[0].wait(15), "rank 1 was dropped from the watch by a packet it never sent"
+    assert "rank 1 (last heard" in messages[0] and dogs[0].rejected == 1
+    dogs[0]._stop.set()
+
+
 def test_watchdog_needs_a_secret():
     sock = open_socket("127.0.0.1")
     with pytest.raises((TypeError, ValueError)):
