@@ -7,6 +7,7 @@ here="$root/scripts"
 VENV="${VENV:-$root/.venv}"
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+source "$(dirname "${BASH_SOURCE[0]}")/packages.sh"
 
 # 1. Python: the pins are tested on CPython 3.11 (tensorflow 2.21 and torch 2.13 wheels exist for 3.10-3.13).
 PY="${PYTHON:-python3}"
@@ -28,15 +29,7 @@ command -v ssh >/dev/null || missing+=(openssh-client)
 # The multihost tests run a real sshd per network-namespace host (tests/multihost).
 [[ -x /usr/sbin/sshd ]] || command -v sshd >/dev/null || missing+=(openssh-server)
 command -v ip >/dev/null || missing+=(iproute2)
-if ((${#missing[@]})); then
-    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-        say "installing system packages: ${missing[*]}"
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    else
-        die "missing system packages: ${missing[*]}. Install them (Debian/Ubuntu: sudo apt-get install ${missing[*]}) and rerun make setup"
-    fi
-fi
+apt_install setup "${missing[@]}"
 
 # 3. The virtual environment and the pinned Python stack. The stamp records what was installed, so a
 #    rerun with unchanged pins and setup.cfg skips pip entirely.

@@ -10,6 +10,7 @@ here="$root/scripts"
 VENV="${VENV:-$root/.venv-cuda}"
 say() { printf '\033[1m[setup-cuda]\033[0m %s\n' "$*"; }
 die() { printf '[setup-cuda] error: %s\n' "$*" >&2; exit 1; }
+source "$(dirname "${BASH_SOURCE[0]}")/packages.sh"
 
 # The CUDA stack's pins (the CPU stack's live in constraints.txt). PyPI's torch 2.11.0 is its CUDA 13.0
 # build and requires exactly this toolkit and NCCL; the toolkit's compiler pieces come through one spec,
@@ -39,15 +40,7 @@ missing=()
 command -v g++ >/dev/null || missing+=(g++)
 command -v make >/dev/null || missing+=(make)
 command -v patch >/dev/null || missing+=(patch)  # build_horovod.sh applies csrc/horovod/patches/*.patch
-if ((${#missing[@]})); then
-    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-        say "installing system packages: ${missing[*]}"
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    else
-        die "missing system packages: ${missing[*]}. Install them (Debian/Ubuntu: sudo apt-get install ${missing[*]}) and rerun make setup-cuda"
-    fi
-fi
+apt_install setup-cuda "${missing[@]}"
 
 # 3. The virtual environment and the CUDA stack. A .gitignore inside keeps it out of `git status` (Python
 #    >= 3.13's venv writes the same file).
