@@ -1219,5 +1219,5 @@ def _into(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable:
 
 
 __all__ = ["init", "world", "device", "prepare", "compile", "broadcast", "current_lr", "shard", "ShardSampler",
-           "average", "evaluate", "log", "progress", "SyncBatchNorm", "check_consistency", "check_finite", "save_checkpoint",
-           "load_checkpoint", "ElasticState", "elastic_run", "HvdpError"]
+           "average", "evaluate", "log", "progress", "SyncBatchNorm", "check_consistency", "check_finite",
+           "save_checkpoint", "load_checkpoint", "ElasticState", "elastic_run", "HvdpError"]

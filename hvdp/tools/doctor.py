@@ -91,8 +91,9 @@ if sys.argv[1] == "torch":
                   "gpus": [torch.cuda.get_device_name(i) for i in range(n)]}
 else:
     import tensorflow as tf
-    out["gpu"] = {"framework": "tensorflow " + tf.__version__, "cuda": tf.sysconfig.get_build_info().get("cuda_version"),
-                  "nccl": None, "gpus": [d.name for d in tf.config.list_physical_devices("GPU")]}
+    out["gpu"] = {"framework": "tensorflow " + tf.__version__,
+                  "cuda": tf.sysconfig.get_build_info().get("cuda_version"), "nccl": None,
+                  "gpus": [d.name for d in tf.config.list_physical_devices("GPU")]}
 print(json.dumps(out))
 """
 _OPS = ("mpi", "gloo", "nccl", "ddl", "ccl")
