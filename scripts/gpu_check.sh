@@ -20,7 +20,6 @@ export PYTHONPATH="$root:$root/examples:$root/benchmarks${PYTHONPATH:+:$PYTHONPA
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=60
 say() { echo "gpu-check: $1"; }
 bin="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")"
-horovodrun() { "$bin/horovodrun" "$@"; }
 # The JSON after the last "PREFIX" in file $2 ($1: the prefix), or {} when there is none.
 last_json() { "$PY" - "$1" "$2" <<'EOF'
 import json, sys
@@ -42,7 +41,7 @@ fi
 
 # 1. The build: Horovod with PyTorch, Gloo and NCCL; the GPU torch sees.
 "$PY" - "$DEVICE" >"$work/device.log" 2>&1 <<'EOF'
-import json, subprocess, sys
+import json, sys
 import torch
 import hvdp.torch as ht
 world = ht.init(device=sys.argv[1])
@@ -56,9 +55,11 @@ grep -h "^gpu-check: " "$work/device.log" || say "{\"check\": \"build_and_device
 
 # 2. The main job on the GPU at np=1 (the bundled digits, carried as .npz: no scikit-learn needed there).
 data="$wheels/digits.npz"
-[[ -f "$data" ]] || "$PY" -c "
-from sklearn.datasets import load_digits; import numpy as np
-d = load_digits(); np.savez('$work/digits.npz', x=d.images[:, None] / 16.0, y=d.target)" 2>/dev/null && data="$work/digits.npz"
+if [[ ! -f "$data" ]]; then  # no gpu-wheels: made here, where scikit-learn is installed
+    data="$work/digits.npz"
+    "$PY" -c "from sklearn.datasets import load_digits; import numpy as np
+d = load_digits(); np.savez('$data', x=d.images[:, None] / 16.0, y=d.target)" 2>/dev/null
+fi
 t=$(date +%s)
 "$PY" "$root/examples/train_torch.py" --device "$DEVICE" --data "$data" >"$work/train.log" 2>&1
 r="$(last_json "result: " "$work/train.log")"
@@ -66,7 +67,7 @@ r="$(last_json "result: " "$work/train.log")"
     'ok': r.get('test_accuracy', 0) >= 0.97, 'test_accuracy': r.get('test_accuracy'), 'seconds': $(date +%s) - $t}))" "$r"
 
 # 3. hvdp verify on the GPU: 1 rank x batch 8 x 2 accumulated == 1 process x batch 16, with a short last step.
-horovodrun -np 1 -H localhost:1 --gloo "$PY" -m hvdp.tools.cli verify --worker --framework torch \
+"$bin/horovodrun" -np 1 -H localhost:1 --gloo "$PY" -m hvdp.tools.cli verify --worker --framework torch \
     --device "$DEVICE" --accumulate 2 --optimizer adam --lr 0.005 >"$work/verify.log" 2>&1
 say "$(last_json "verify: " "$work/verify.log" | "$PY" -c "import json, sys; v = json.load(sys.stdin)
 print(json.dumps({'check': 'verify_np1', 'ok': bool(v.get('ok')), 'max_abs_diff': v.get('max_abs_diff'),
