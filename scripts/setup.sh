@@ -7,7 +7,7 @@ here="$root/scripts"
 VENV="${VENV:-$root/.venv}"
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
-source "$(dirname "${BASH_SOURCE[0]}")/packages.sh"
+source "$here/packages.sh"
 
 # 1. Python: the pins are tested on CPython 3.11 (tensorflow 2.21 and torch 2.13 wheels exist for 3.10-3.13).
 PY="${PYTHON:-python3}"

@@ -10,7 +10,7 @@ here="$root/scripts"
 VENV="${VENV:-$root/.venv-cuda}"
 say() { printf '\033[1m[setup-cuda]\033[0m %s\n' "$*"; }
 die() { printf '[setup-cuda] error: %s\n' "$*" >&2; exit 1; }
-source "$(dirname "${BASH_SOURCE[0]}")/packages.sh"
+source "$here/packages.sh"
 
 # The CUDA stack's pins (the CPU stack's live in constraints.txt). PyPI's torch 2.11.0 is its CUDA 13.0
 # build and requires exactly this toolkit and NCCL; the toolkit's compiler pieces come through one spec,

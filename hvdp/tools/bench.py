@@ -274,10 +274,11 @@ def run(args) -> int:
         report["training" if framework == frameworks[0] else f"training_{framework}"] = result
 
     if "torch" in frameworks and not (args.skip_training or args.skip_gpt):
-        gpt_steps = ["--warmup", "3", "--steps", str(max(2, n_steps // 3)), "--reps", "3"]
+        gpt_steps = max(2, n_steps // 3)
+        gpt_args = ["--warmup", "3", "--steps", str(gpt_steps), "--reps", "3"]
         report["training_gpt"] = {"framework": "torch", "label": "torch GPT-style transformer", "np": args.np,
-                                  "threads": args.threads, "steps_per_repetition": max(2, n_steps // 3),
-                                  "models": {v: _train("torch", v, args, rounds, gpt_steps, raw_env, GPT["impls"],
+                                  "threads": args.threads, "steps_per_repetition": gpt_steps,
+                                  "models": {v: _train("torch", v, args, rounds, gpt_args, raw_env, GPT["impls"],
                                                        GPT["ratios"])
                                              for v in GPT["quick" if args.quick else "variants"]}}
 

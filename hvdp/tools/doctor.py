@@ -96,15 +96,19 @@ else:
                   "gpus": [d.name for d in tf.config.list_physical_devices("GPU")]}
 print(json.dumps(out))
 """
-_OPS = ("mpi", "gloo", "nccl", "ddl", "ccl")
-_gpus: dict[str, dict] = {}  # framework -> what its probe saw of GPUs (check_build fills it)
 
 
 def check_build() -> dict[str, bool] | None:
     """What the installed Horovod was built with, as `horovodrun --check-build` lists it: {"TensorFlow": True,
     "PyTorch": True, "MXNet": False, "MPI": True, "Gloo": True, "NCCL": False, ...}; None without Horovod."""
+    return _probe_build()[0]
+
+
+def _probe_build() -> tuple[dict[str, bool] | None, dict[str, dict]]:
+    """(check_build()'s answer, {framework: what its probe saw of GPUs}), from one probe per framework."""
+    gpus: dict[str, dict] = {}
     if _version("horovod") is None:
-        return None
+        return None, gpus
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     probes = {name: subprocess.Popen([sys.executable, "-c", _PROBE, module], stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=env)
@@ -120,12 +124,12 @@ def check_build() -> dict[str, bool] | None:
             answer = None
         built[name] = answer is not None
         if answer is not None:
-            _gpus[name] = {**answer.pop("gpu"), "horovod_cuda": answer.pop("cuda"), "horovod_rocm": answer.pop("rocm")}
+            gpus[name] = {**answer.pop("gpu"), "horovod_cuda": answer.pop("cuda"), "horovod_rocm": answer.pop("rocm")}
         for k, v in (answer or {}).items():
             ops[k] = ops.get(k, False) or v
     built["MXNet"] = False  # hvdp builds no MXNet support
     return {**built, **{label: ops.get(k, False) for k, label in
-                        (("mpi", "MPI"), ("gloo", "Gloo"), ("nccl", "NCCL"), ("ddl", "DDL"), ("ccl", "CCL"))}}
+                        (("mpi", "MPI"), ("gloo", "Gloo"), ("nccl", "NCCL"), ("ddl", "DDL"), ("ccl", "CCL"))}}, gpus
 
 
 def run(args) -> int:
@@ -152,7 +156,7 @@ def run(args) -> int:
         problems.append("mpirun not found: install OpenMPI (Debian: apt-get install openmpi-bin libopenmpi-dev)")
 
     print("\nHorovod was built with:")
-    built = None if args.no_build_check or _version("horovod") is None else check_build()
+    built, gpus = (None, {}) if args.no_build_check or _version("horovod") is None else _probe_build()
     if built is None:
         print("  (not checked)")
     else:
@@ -172,7 +176,7 @@ def run(args) -> int:
         print("  bfloat16 tensors (torch): " + ("supported" if bf16 else
               "not in this Horovod: a bf16 model fails in prepare() (`make setup` builds the support in)"))
 
-    problems += _print_gpus(built)
+    problems += _print_gpus(built, gpus)
 
     launcher = detect_launcher()
     world = World.from_env()
@@ -204,22 +208,22 @@ def run(args) -> int:
     return 1 if problems else 0
 
 
-def _print_gpus(built: dict | None) -> list[str]:
+def _print_gpus(built: dict | None, gpus: dict[str, dict]) -> list[str]:
     """The GPUs each framework sees, its CUDA and NCCL, and Horovod's GPU operations; the problems found."""
     print("\nGPUs:")
-    if not _gpus:
+    if not gpus:
         print("  (not checked)")
         return []
     problems = []
-    for name, g in _gpus.items():
+    for name, g in gpus.items():
         seen = ", ".join(f"{i}: {d}" for i, d in enumerate(g["gpus"])) or "none"
         cuda = f"CUDA {g['cuda']}" if g["cuda"] else "a CPU build"
         nccl = f", NCCL {g['nccl']}" if g["nccl"] else ""
         print(f"  {name:<10} {g['framework']} ({cuda}{nccl}); GPUs visible: {seen}")
     ops = "NCCL" if built and built.get("NCCL") else "none (CUDA tensors are staged through host memory)"
-    gpu_build = any(g["horovod_cuda"] or g["horovod_rocm"] for g in _gpus.values())
+    gpu_build = any(g["horovod_cuda"] or g["horovod_rocm"] for g in gpus.values())
     print(f"  Horovod's GPU operations: {ops}; built with CUDA: {'yes' if gpu_build else 'no'}")
-    if any(g["gpus"] for g in _gpus.values()) and not (built and built.get("NCCL")):
+    if any(g["gpus"] for g in gpus.values()) and not (built and built.get("NCCL")):
         problems.append("GPUs are visible but this Horovod has no NCCL operations: GPU gradients would go through "
                         "host memory; build it with NCCL (`make setup-cuda`, docs/gpus.md)")
     return problems
