@@ -33,7 +33,8 @@ apply_fixes() {
     grep -q 'CMAKE_CXX_STANDARD 14' "$1/CMakeLists.txt" "$1/horovod/torch/CMakeLists.txt" && { echo "patch failed" >&2; exit 1; }
     grep -q 'gloo_iface_ = global_context.gloo_iface_;' "$1/horovod/common/gloo/gloo_context.cc" || { echo "gloo patch failed" >&2; exit 1; }
     # Fix 4: bfloat16 (horovod#4047): a HOROVOD_BFLOAT16 type, its MPI and Gloo reductions (widened to
-    # float32, rounded once per step), scaling, NCCL's ncclBfloat16, and torch's BFloat16Tensor bindings.
+    # float32, rounded once per step), scaling (on the CPU and in the CUDA kernels), NCCL's ncclBfloat16, and torch's
+    # BFloat16Tensor bindings.
     patch -s -p1 -d "$1" < "$csrc/patches/bfloat16.patch"
     grep -q 'HOROVOD_BFLOAT16 = 10' "$1/horovod/common/message.h" || { echo "bfloat16 patch failed" >&2; exit 1; }
     # Fix 5: horovod.torch's synchronize() polled its handle in a sched_yield loop, one busy core per rank

@@ -122,6 +122,34 @@ print("gpu-check: " + json.dumps({"check": "helpers", "ok": same and 0 <= metric
 EOF
 grep -h "^gpu-check: " "$work/helpers.log" || say "{\"check\": \"helpers\", \"ok\": false, \"detail\": \"$(tail_of "$work/helpers.log")\"}"
 
+# 5b. 16-bit collectives on the GPU through NCCL. A prescale makes Horovod scale on the device, in the bf16
+#     kernels csrc/horovod/patches/bfloat16.patch adds (one tensor: ScaleBufferCudaImpl; a fused group: the
+#     batched scaled copy); each result is compared bit for bit with the scale done in float32, rounded once.
+"$PY" - "$DEVICE" >"$work/bf16.log" 2>&1 <<'EOF'
+import json, sys
+import torch
+import hvdp.torch as ht
+ht.init(device=sys.argv[1])
+hvd, dev = ht.hvd, ht.device()
+torch.manual_seed(0)
+results = {}
+for dtype in (torch.bfloat16, torch.float16):
+    xs = [torch.randn(n, device=dev).to(dtype) for n in (1001, 4096, 70001)]
+    want = [(x.float() * 0.5).to(dtype) for x in xs]
+    name = str(dtype).split(".")[1]
+    one = hvd.allreduce(xs[0], op=hvd.Sum, prescale_factor=0.5, name=f"one.{name}")
+    group = hvd.grouped_allreduce(xs, op=hvd.Sum, prescale_factor=0.5, name=f"group.{name}")
+    avg = hvd.allreduce(xs[1], op=hvd.Average, name=f"avg.{name}")
+    bcast = hvd.broadcast(xs[2], root_rank=0, name=f"bcast.{name}")
+    gathered = hvd.allgather(xs[0], name=f"gather.{name}")
+    results[name] = {"single_scaled": torch.equal(one, want[0]), "grouped_scaled": all(map(torch.equal, group, want)),
+                     "average": torch.equal(avg, xs[1]), "broadcast": torch.equal(bcast, xs[2]),
+                     "allgather": torch.equal(gathered, xs[0]), "on": str(one.device)}
+ok = all(v for r in results.values() for k, v in r.items() if k != "on")
+print("gpu-check: " + json.dumps({"check": "collectives_16bit", "ok": ok, **results}))
+EOF
+grep -h "^gpu-check: " "$work/bf16.log" || say "{\"check\": \"collectives_16bit\", \"ok\": false, \"detail\": \"$(tail_of "$work/bf16.log")\"}"
+
 # 6. Throughput: hvdp against plain PyTorch on the one GPU (the bench's GPT-style transformer, bf16 autocast).
 for impl in hvdp alone; do
     "$PY" "$root/benchmarks/train_worker.py" --impl "$impl" --model gpt-bf16 --device "$DEVICE" --batch 32 \

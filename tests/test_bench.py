@@ -46,9 +46,13 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     largest = {r["impl"]: r["busbw_GBps"] for r in allreduce["results"] if r["bytes"] == 64 << 20}
     assert allreduce["largest_bytes"] == 64 << 20
     assert allreduce["fraction_of_memcpy"] == {k: v / allreduce["memcpy_GBps"] for k, v in largest.items()}
+    assert allreduce["memcpy_concurrent_GBps"] > 0  # one rank's share while both copy: the np=2 ceiling
+    assert allreduce["fraction_of_concurrent_memcpy"] == {k: v / allreduce["memcpy_concurrent_GBps"]
+                                                          for k, v in largest.items()}
     assert all(r["busbw_GBps_rounds"] == [r["busbw_GBps"]] for r in allreduce["results"])  # one round
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert "allreduce busbw" in proc.stdout and "hvdp_vs_ddp" in proc.stdout
+    assert "allreduce busbw" in proc.stdout and "concurrent memcpy at 64M" in proc.stdout
+    assert "hvdp_vs_ddp" in proc.stdout
     assert "tensorflow training throughput" in proc.stdout
     gpt = report["training_gpt"]  # the transformer: with --quick its bf16-autocast eager variant only
     assert gpt["framework"] == "torch" and set(gpt["models"]) == {"gpt-bf16"}

@@ -120,17 +120,44 @@ def _run_side_by_side(cmd: list[str], env: dict, n: int, timeout: float = 600) -
     return {"samples_per_sec": statistics.mean(rates), "spread": [min(rates), max(rates)]}
 
 
-def memcpy_gbps(nbytes: int = 64 << 20, reps: int = 10) -> float:
-    """This machine's memory copy bandwidth (bytes copied per second), the physical reference."""
+def memcpy_gbps(nbytes: int = 64 << 20, reps: int = 10, copies: int = 1) -> float:
+    """This machine's memory copy bandwidth (bytes copied per second), the physical reference.
+
+    With `copies` > 1, that many processes copy at the same time, each its own buffer, and the result is
+    what one of them gets (the median over processes of each one's median): a rank's share of the memory
+    bandwidth while every rank moves its buffer, the ceiling of an allreduce that must read and write each
+    rank's whole buffer.
+    """
+    if copies == 1:
+        return _copy_rate(nbytes, reps)
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    start, results = ctx.Barrier(copies), ctx.Queue()
+    procs = [ctx.Process(target=_copy_worker, args=(nbytes, reps, start, results)) for _ in range(copies)]
+    for proc in procs:
+        proc.start()
+    rates = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join()
+    return statistics.median(rates)
+
+
+def _copy_rate(nbytes: int, reps: int, start=None) -> float:
     import numpy as np
     src, dst = np.ones(nbytes // 4, dtype=np.float32), np.empty(nbytes // 4, dtype=np.float32)
     np.copyto(dst, src)
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        if start is not None:
+            start.wait()
+        begin = time.perf_counter()
         np.copyto(dst, src)
-        times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - begin)
     return nbytes / statistics.median(times) / 1e9
+
+
+def _copy_worker(nbytes: int, reps: int, start, results) -> None:
+    results.put(_copy_rate(nbytes, reps, start))
 
 
 def _impl_run(impl: str) -> tuple[str, bool, dict]:
@@ -288,7 +315,7 @@ def run(args) -> int:
     if not args.skip_allreduce:
         sizes = "4096,65536,1048576,16777216,67108864" if args.quick else \
                 ",".join(str(4096 << (2 * i)) for i in range(8))  # 4 KiB .. 64 MiB
-        runs, memcpys = {}, []
+        runs, memcpys, shared = {}, [], []
         for r in range(rounds):  # interleaved like training; each (impl, size) keeps its median round (lower middle if even)
             for impl in ALLREDUCE_IMPLS:
                 print(f"[bench] allreduce round {r + 1}/{rounds}: {impl} np={args.np} ...", file=sys.stderr, flush=True)
@@ -297,17 +324,23 @@ def run(args) -> int:
                 for one in _run(cmd, raw_env):
                     runs.setdefault((impl, one["bytes"]), []).append(one)
             memcpys.append(memcpy_gbps())
+            shared.append(memcpy_gbps(copies=args.np))
         results = []
         for (impl, nbytes), rs in runs.items():
             middle = sorted(rs, key=lambda one: one["busbw_GBps"])[(len(rs) - 1) // 2]
             results.append({**{k: middle[k] for k in ("impl", "bytes", "busbw_GBps", "algbw_GBps", "seconds")},
                             "busbw_GBps_rounds": [one["busbw_GBps"] for one in rs]})
-        memcpy = statistics.median(memcpys)
+        memcpy, memcpy_shared = statistics.median(memcpys), statistics.median(shared)
         largest = max(r["bytes"] for r in results)
         report["allreduce"] = {
-            "np": args.np, "memcpy_GBps": memcpy, "results": results, "largest_bytes": largest,
-            # busbw at the largest size over memcpy bandwidth: the issue's physical yardstick
+            "np": args.np, "memcpy_GBps": memcpy, "memcpy_concurrent_GBps": memcpy_shared, "results": results,
+            "largest_bytes": largest,
+            # busbw at the largest size over memcpy bandwidth: the issue's physical yardstick ...
             "fraction_of_memcpy": {r["impl"]: r["busbw_GBps"] / memcpy for r in results if r["bytes"] == largest},
+            # ... and over what one rank gets while np ranks copy at once (an np=2 allreduce must read and
+            # write every rank's whole buffer: it cannot beat this)
+            "fraction_of_concurrent_memcpy": {r["impl"]: r["busbw_GBps"] / memcpy_shared for r in results
+                                              if r["bytes"] == largest},
         }
 
     _print(report)
@@ -348,13 +381,15 @@ def _print(report: dict) -> None:
                   f"{m['hvdp_vs_hand']:.3f}  (reps: {reps})")
     if "allreduce" in report:
         a = report["allreduce"]
-        print(f"\nallreduce busbw (GB/s), np={a['np']}; memcpy {a['memcpy_GBps']:.2f} GB/s")
+        print(f"\nallreduce busbw (GB/s), np={a['np']}; memcpy {a['memcpy_GBps']:.2f} GB/s alone, "
+              f"{a['memcpy_concurrent_GBps']:.2f} GB/s each with {a['np']} copying at once")
         sizes = sorted({r["bytes"] for r in a["results"]})
         print("  " + "impl".ljust(12) + "".join(f"{_human(s):>9}" for s in sizes))
         for impl in dict.fromkeys(r["impl"] for r in a["results"]):
             by = {r["bytes"]: r["busbw_GBps"] for r in a["results"] if r["impl"] == impl}
             print("  " + impl.ljust(12) + "".join(f"{by.get(s, float('nan')):9.3f}" for s in sizes)
-                  + f"   {a['fraction_of_memcpy'][impl]:.2f}x memcpy at {_human(a['largest_bytes'])}")
+                  + f"   {a['fraction_of_memcpy'][impl]:.2f}x memcpy, "
+                    f"{a['fraction_of_concurrent_memcpy'][impl]:.2f}x concurrent memcpy at {_human(a['largest_bytes'])}")
 
 
 def _human(n: int) -> str:
