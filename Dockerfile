@@ -3,8 +3,11 @@
 #
 #   docker build -t hvdp .                       # CPU (python:3.11-slim-bookworm)
 #   docker run --rm hvdp                         # horovodrun -np 2 -H localhost:2 python examples/train_torch.py
-#   docker build -t hvdp:cuda --build-arg HVDP_DEVICE=cuda \
-#       --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04 .      # GPU: NCCL (untested)
+#   docker build -t hvdp:cuda --build-arg HVDP_DEVICE=cuda .   # GPU: torch 2.11 (CUDA 13), NCCL, MPI, Gloo
+#
+# The CUDA variant (PyTorch only) takes the CUDA toolkit and NCCL from pip, so any Debian/Ubuntu base does;
+# it runs on hosts with an NVIDIA driver R580+ through the NVIDIA container toolkit (docker run --gpus all).
+# `make docker-test-cuda` builds it here and runs the same job on the CPU (docs/gpus.md).
 #
 # Build args: BASE_IMAGE (any Debian/Ubuntu with apt; python3 >= 3.10 is installed when missing),
 # HVDP_DEVICE cpu|cuda, TORCH_INDEX_URL (auto), PIP_CERT (path of a CA bundle visible during the build, for
@@ -21,7 +24,7 @@ COPY docker/image.sh /src/docker/
 RUN bash /src/docker/image.sh system build
 COPY docker/wheels/ /tmp/wheels/
 COPY constraints.txt /src/
-COPY scripts/build_horovod.sh /src/scripts/
+COPY scripts/build_horovod.sh scripts/cuda_stack.sh /src/scripts/
 COPY csrc/ /src/csrc/
 RUN bash /src/docker/image.sh frameworks
 COPY setup.cfg pyproject.toml README.md /src/

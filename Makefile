@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 NP    ?= 2
 
-.PHONY: setup test test-fast soak train bench docker-test clean setup-cuda test-cuda-build gpu-wheels
+.PHONY: setup test test-fast soak train bench docker-test docker-test-cuda clean setup-cuda test-cuda-build gpu-wheels
 
 setup:
 	@bash scripts/setup.sh
@@ -29,6 +29,11 @@ bench: setup
 
 docker-test: setup
 	bash scripts/test_image.sh
+
+# The CUDA variant of the image (PyTorch, CUDA 13, NCCL from pip; ~4 GB of wheels, Horovod compiled in the
+# build), built for real and its job run on the CPU: docs/gpus.md.
+docker-test-cuda: setup
+	HVDP_DEVICE=cuda bash scripts/test_image.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

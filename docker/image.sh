@@ -10,9 +10,15 @@
 #                                   build_horovod.sh); from /tmp/wheels first, else the index
 #   image.sh hvdp                   hvdp itself (a separate layer: code changes skip the frameworks)
 #   image.sh packages               the framework requirements, one a line (test_image.sh downloads them)
+#   image.sh constraints            the pins they are installed under
+#
+# HVDP_DEVICE=cuda: PyTorch only (no TensorFlow: one Horovod links one CUDA runtime, and TensorFlow 2.21's
+# GPU build wants CUDA 12 where torch 2.11 has 13), torch 2.11.0's CUDA 13.0 build, the CUDA toolkit and
+# NCCL as pip wheels (scripts/cuda_stack.sh, the same pins as `make setup-cuda`), and Horovod with NCCL,
+# MPI and Gloo. Any Debian or Ubuntu base works: nothing comes from NVIDIA's apt repository or registry.
 #
 # Environment (the Dockerfile's build args): HVDP_DEVICE cpu|cuda, TORCH_INDEX_URL (auto: the PyTorch CPU
-# index for cpu, PyPI's default CUDA build for cuda; only asked for the frameworks), PIP_CERT (a CA bundle visible during the build).
+# index for cpu, PyPI for cuda; only asked for the frameworks), PIP_CERT (a CA bundle visible during the build).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 src="$(dirname "$here")"
@@ -23,16 +29,27 @@ say() { printf '[image] %s\n' "$*"; }
 pin() { sed -n "s/^$1==//p" "$src/constraints.txt"; }
 case "$DEVICE" in cpu|cuda) ;; *) echo "HVDP_DEVICE=$DEVICE: use cpu or cuda" >&2; exit 2 ;; esac
 
+# The CUDA pins and cuda_layout, read when needed (the `system` steps run before the file is in the context).
+cuda_stack() { source "$src/scripts/cuda_stack.sh"; }
+
 packages() {
     # torch pinned exactly: a bare `torch` is a multi-GB CUDA build on PyPI.
     if [[ $DEVICE == cuda ]]; then
-        echo "tensorflow[and-cuda]==$(pin tensorflow-cpu)"
+        cuda_stack && cuda_packages
     else
-        echo "tensorflow-cpu==$(pin tensorflow-cpu)"
+        printf '%s\n' "tensorflow-cpu==$(pin tensorflow-cpu)" "torch==$(pin torch)" "keras==$(pin keras)"
     fi
-    printf '%s\n' "torch==$(pin torch)" "keras==$(pin keras)" "scikit-learn==$(pin scikit-learn)" \
+    printf '%s\n' "scikit-learn==$(pin scikit-learn)" \
         "tensorboard==$(pin tensorboard)" "tqdm==$(pin tqdm)" cffi cloudpickle psutil pyyaml packaging numpy \
         setuptools wheel build "cython>=3.0.1"  # the last four build mpi4py and hvdp without the index
+}
+
+constraints() {
+    if [[ $DEVICE == cuda ]]; then
+        cuda_stack && cuda_constraints "$src/constraints.txt"
+    else
+        cat "$src/constraints.txt"
+    fi
 }
 
 python_ok() {  # a python3 >= 3.10 with venv, ensurepip and its C headers (Horovod and mpi4py compile)
@@ -49,11 +66,8 @@ system() {
     if [[ $1 == build ]]; then
         want+=(libopenmpi-dev g++ make cmake patch)
         python_ok || want+=(python3 python3-venv python3-dev)
-        # NVIDIA's -devel images ship NCCL; other CUDA bases get it from NVIDIA's apt repository.
-        [[ $DEVICE == cuda && ! -e /usr/include/nccl.h ]] && want+=(libnccl-dev)
     else
         command -v python3 >/dev/null || want+=(python3)
-        [[ $DEVICE == cuda ]] && ! ldconfig -p | grep -q 'libnccl\.so\.2' && want+=(libnccl2)
     fi
     say "apt-get install ${want[*]}"
     apt-get update -qq
@@ -81,15 +95,21 @@ python_stack() {
     python3 -m venv "$VENV"
     mapfile -t reqs < <(packages)
     say "installing ${reqs[*]}"
-    TORCH_INDEX=1 pip_install -c "$src/constraints.txt" "${reqs[@]}"
+    constraints > /tmp/constraints.txt
+    TORCH_INDEX=1 pip_install -c /tmp/constraints.txt "${reqs[@]}"
     # mpi4py built against the image's OpenMPI (its wheels carry their own MPI).
     pip_install --no-binary mpi4py "mpi4py==$(pin mpi4py)"
     # Horovod: build_horovod.sh finds a wheel under $HVDP_CACHE_DIR/wheels/<key> when the context
     # brought one whose key (horovod, torch, tensorflow, python, arch, gpu ops) matches; else it compiles.
     mkdir -p /tmp/hvdp-cache
     [[ -d $WHEELS/horovod ]] && ln -sfn "$WHEELS/horovod" /tmp/hvdp-cache/wheels
-    [[ $DEVICE == cuda ]] && export HOROVOD_GPU_OPERATIONS="${HOROVOD_GPU_OPERATIONS:-NCCL}"
-    wheel="$(HVDP_CACHE_DIR=/tmp/hvdp-cache PYTHON="$VENV/bin/python" "$src/scripts/build_horovod.sh" | tail -1)"
+    local gpu=()
+    if [[ $DEVICE == cuda ]]; then
+        cuda_stack && cuda_layout "$VENV/bin/python"
+        gpu=(HOROVOD_GPU_OPERATIONS="${HOROVOD_GPU_OPERATIONS:-NCCL}" HOROVOD_WITHOUT_TENSORFLOW=1
+             HOROVOD_CUDA_HOME="$CUDA_HOME" HOROVOD_NCCL_HOME="$NCCL_HOME" PATH="$CUDA_HOME/bin:$VENV/bin:$PATH")
+    fi
+    wheel="$(env "${gpu[@]}" HVDP_CACHE_DIR=/tmp/hvdp-cache PYTHON="$VENV/bin/python" "$src/scripts/build_horovod.sh" | tail -1)"
     say "installing $wheel"
     "$VENV/bin/python" -m pip install -q --no-deps "$wheel"
 }
@@ -107,5 +127,6 @@ case "${1:-}" in
     frameworks) python_stack ;;
     hvdp) hvdp ;;
     packages) packages ;;
-    *) sed -n '2,15p' "$0" >&2; exit 2 ;;
+    constraints) constraints ;;
+    *) sed -n '2,22p' "$0" >&2; exit 2 ;;
 esac

@@ -12,14 +12,7 @@ say() { printf '\033[1m[setup-cuda]\033[0m %s\n' "$*"; }
 die() { printf '[setup-cuda] error: %s\n' "$*" >&2; exit 1; }
 source "$here/packages.sh"
 
-# The CUDA stack's pins (the CPU stack's live in constraints.txt). PyPI's torch 2.11.0 is its CUDA 13.0
-# build and requires exactly this toolkit and NCCL; the toolkit's compiler pieces come through one spec,
-# so that pip cannot pair nvcc 13.0 with a newer crt/nvvm, and cccl is there for cuda_fp16.h's <nv/target>.
-TORCH=2.11.0
-CUDA_TOOLKIT=13.0.2
-NCCL=2.28.9
-CMAKE=4.4.3               # a CMake that knows CUDA 13 (gloo's cmake 2.8 floor: build_horovod.sh handles it)
-SETUPTOOLS="setuptools<82"  # torch 2.11.0 requires it; Horovod builds with --no-build-isolation, so it is this one
+source "$here/cuda_stack.sh"  # the pins (CUDA_TORCH, CUDA_TOOLKIT, CUDA_NCCL, ...) and cuda_layout
 
 # 1. Python: 3.12 from pyenv unless $PYTHON names one (torch 2.11.0's CUDA wheels exist for 3.10-3.13).
 if [[ -n "${PYTHON:-}" ]]; then
@@ -32,7 +25,7 @@ fi
 pyver="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 case "$pyver" in
     3.10|3.11|3.12|3.13) ;;
-    *) die "python $pyver: torch $TORCH's CUDA wheels need 3.10-3.13; set PYTHON=/path/to/python3.12" ;;
+    *) die "python $pyver: torch $CUDA_TORCH's CUDA wheels need 3.10-3.13; set PYTHON=/path/to/python3.12" ;;
 esac
 
 # 2. System packages: only a C++ toolchain (no MPI). nvcc, its headers and NCCL come from pip.
@@ -53,39 +46,22 @@ VPY="$VENV/bin/python"
 have="$("$VPY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 [[ "$have" == "$pyver" ]] || die "$VENV has python $have, not $pyver: remove it (rm -rf $VENV) and rerun make setup-cuda"
 stamp="$VENV/.hvdp-stamp"
-want="$(find "$root/constraints.txt" "$root/setup.cfg" "$here/setup_cuda.sh" -type f | LC_ALL=C sort | xargs cat \
+want="$(find "$root/constraints.txt" "$root/setup.cfg" "$here/setup_cuda.sh" "$here/cuda_stack.sh" -type f | LC_ALL=C sort | xargs cat \
         | sha256sum | cut -c1-16)"
-# constraints.txt without the CPU stack's framework pins (torch 2.13.0, TensorFlow, Keras, Horovod), with
-# the CUDA stack's: the test tools keep their tested versions, and nothing can move torch or the toolkit.
 cons="$VENV/constraints-cuda.txt"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
-    { grep -v -E '^(torch|tensorflow-cpu|tensorflow|keras|horovod)==' "$root/constraints.txt"
-      printf '%s\n' "torch==$TORCH" "cuda-toolkit==$CUDA_TOOLKIT" "nvidia-nccl-cu13==$NCCL" "cmake==$CMAKE" "$SETUPTOOLS"
-    } > "$cons"
-    say "installing torch $TORCH (CUDA), cuda-toolkit $CUDA_TOOLKIT (nvcc, crt, nvvm, cccl), nvidia-nccl-cu13 $NCCL"
-    "$VPY" -m pip install -q --upgrade pip wheel "$SETUPTOOLS"
-    "$VPY" -m pip install -q -c "$cons" "torch==$TORCH" "cuda-toolkit[nvcc,crt,nvvm,cccl]==$CUDA_TOOLKIT" \
-        "nvidia-nccl-cu13==$NCCL" "cmake==$CMAKE" "$SETUPTOOLS" numpy cloudpickle psutil pyyaml packaging
+    cuda_constraints "$root/constraints.txt" > "$cons"
+    say "installing torch $CUDA_TORCH (CUDA), cuda-toolkit $CUDA_TOOLKIT (nvcc, crt, nvvm, cccl), nvidia-nccl-cu13 $CUDA_NCCL"
+    "$VPY" -m pip install -q --upgrade pip wheel "$CUDA_SETUPTOOLS"
+    mapfile -t cuda_reqs < <(cuda_packages)
+    "$VPY" -m pip install -q -c "$cons" "${cuda_reqs[@]}" numpy cloudpickle psutil pyyaml packaging
     rm -f "$stamp.horovod"
 fi
 cuda="$("$VPY" -c 'import torch; print(torch.version.cuda or "")')"
 [[ "$cuda" == 13.0* ]] || die "torch in $VENV is not the CUDA 13.0 build (torch.version.cuda='$cuda'): rm -rf $VENV and rerun"
 
-# 4. The wheels' layout, made to look like a CUDA install to nvcc and CMake.
-site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-CUDA_HOME="$site/nvidia/cu13"
-NCCL_HOME="$site/nvidia/nccl"
-[[ -x "$CUDA_HOME/bin/nvcc" ]] || die "no nvcc in $CUDA_HOME/bin: the cuda-toolkit[nvcc] install failed"
-[[ -e "$CUDA_HOME/lib/libcudart.so.13" ]] || die "no libcudart.so.13 in $CUDA_HOME/lib: the cuda-toolkit install failed"
-[[ -e "$NCCL_HOME/lib/libnccl.so.2" ]] || die "no libnccl.so.2 in $NCCL_HOME/lib: the nvidia-nccl-cu13 install failed"
-# nvcc.profile links with -L$TOP/lib64, the wheels ship lib/: without this CMake's CUDA compiler check
-# fails with `cannot find -lcudadevrt`. The wheels hold only the runtime's versioned names, where a CUDA
-# install also has the linker's: Horovod's FindCUDAToolkit looks for libcudart.so (`Could NOT find
-# CUDAToolkit (missing: CUDA_CUDART)` without it; the build itself links cudart_static), FindNCCL for
-# libnccl.so.
-[[ -e "$CUDA_HOME/lib64" ]] || ln -s lib "$CUDA_HOME/lib64"
-[[ -e "$CUDA_HOME/lib/libcudart.so" ]] || ln -s libcudart.so.13 "$CUDA_HOME/lib/libcudart.so"
-[[ -e "$NCCL_HOME/lib/libnccl.so" ]] || ln -s libnccl.so.2 "$NCCL_HOME/lib/libnccl.so"
+# 4. The wheels' layout, made to look like a CUDA install to nvcc and CMake (scripts/cuda_stack.sh).
+cuda_layout "$VPY" || die "rm -rf $VENV and rerun make setup-cuda"
 
 # 5. Horovod with NCCL, Gloo and PyTorch, built by the same recipe as `make setup`'s (its source fixes,
 #    its cache). build_horovod.sh asks for MPI and TensorFlow; Horovod's HOROVOD_WITHOUT_* win over its

@@ -68,7 +68,7 @@ def check_shm_settings(environ: Mapping[str, str] | None = None) -> None:
     if chunk is not None:
         if not (chunk.isdigit() and 0 < int(chunk) <= 1 << 40):
             raise ConfigError(f"HVDP_SHM_CHUNK_BYTES must be a whole number of bytes from 1 to 2**40, got "
-                              f"{chunk!r}; unset it for the default (half the L2 cache)")
+                              f"{chunk!r}; unset it for the default (256 KiB)")
     timeout = env.get("HVDP_SHM_TIMEOUT_SECONDS")
     if timeout is not None:
         try:

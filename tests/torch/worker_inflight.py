@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,15 +36,10 @@ hvd = ht.hvd
 RANK, SIZE = world.rank, world.size
 
 
-def _default_chunk() -> int:
-    """The shared-memory op's chunk when HVDP_SHM_CHUNK_BYTES is unset: half the L2, as DefaultChunkBytes() in
-    shm_operations.cc reads it (glibc's sysconf, which getconf prints)."""
-    out = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True).stdout.strip()
-    l2 = int(out) if out.isdigit() else 0
-    return max(l2 // 2, 64 << 10) if l2 > 0 else 256 << 10
+DEFAULT_CHUNK = 256 << 10  # the shared-memory op's chunk when HVDP_SHM_CHUNK_BYTES is unset (kDefaultChunkBytes)
 
 
-CHUNK = int(os.environ.get("HVDP_SHM_CHUNK_BYTES") or _default_chunk())
+CHUNK = int(os.environ.get("HVDP_SHM_CHUNK_BYTES") or DEFAULT_CHUNK)
 FUSION = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 64 << 20))
 
 DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16]
