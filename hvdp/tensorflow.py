@@ -50,7 +50,7 @@ from hvdp.core import devices as _devices
 from hvdp.core.errors import CheckpointError, ConfigError, DivergenceError, HvdpError, NonFiniteLossError
 from hvdp.core.records import RecordIndex, RecordReader, index_records
 from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
-from hvdp.core.sharding import ShardPlan, eval_bounds
+from hvdp.core.sharding import ShardPlan, eval_bounds, eval_metrics
 from hvdp.core.world import World
 
 hvd = _horovod.import_horovod("tensorflow")
@@ -856,6 +856,9 @@ def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True) ->
 
     Returns:
         {"loss": mean loss, "accuracy": fraction correct, "samples": len(x)}, the same on every rank.
+
+    Raises:
+        ConfigError: `data` is empty (on every rank).
     """
     w = _ensure_init()
     x, y = (np.asarray(a) for a in data)
@@ -867,8 +870,8 @@ def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True) ->
         loss = keras.losses.sparse_categorical_crossentropy(yb, out, from_logits=from_logits)
         pred = np.argmax(keras.ops.convert_to_numpy(out), axis=-1)
         sums += [float(np.sum(keras.ops.convert_to_numpy(loss), dtype=np.float64)), float(np.sum(pred == yb)), len(yb)]
-    total = hvd.allreduce(tf.constant(sums, tf.float64), op=hvd.Sum, name="hvdp.evaluate").numpy()
-    return {"loss": float(total[0] / total[2]), "accuracy": float(total[1] / total[2]), "samples": int(total[2])}
+    total = hvd.allreduce(tf.constant(sums, tf.float64), op=hvd.Sum, name="hvdp.evaluate").numpy().tolist()
+    return eval_metrics(*total, rank=w.rank)
 
 
 def log(*args: Any, **kwargs: Any) -> None:

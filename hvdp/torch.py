@@ -44,7 +44,7 @@ from hvdp.core import devices as _devices
 from hvdp.core.errors import (CheckpointError, ConfigError, DataError, DivergenceError, HvdpError, NonFiniteLossError,
                               SetupError)
 from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
-from hvdp.core.sharding import ShardPlan, StreamSplit, eval_bounds, exact_weight, real_count
+from hvdp.core.sharding import ShardPlan, StreamSplit, eval_bounds, eval_metrics, exact_weight, real_count
 from hvdp.core.watchdog import WAITING
 from hvdp.core.world import World, elastic
 
@@ -835,11 +835,8 @@ def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch
         sums += torch.tensor([float(loss_fn(out, y, reduction="sum")),
                               float((out.argmax(1) == y).sum()), len(y)], dtype=torch.float64)
     model.train(was_training)
-    total = hvd.allreduce(sums, op=hvd.Sum, name="hvdp.evaluate")
-    if total[2] == 0:
-        raise ConfigError("evaluate() was given an empty dataset: nothing to score", rank=hvd.rank())
-    return {"loss": float(total[0] / total[2]), "accuracy": float(total[1] / total[2]),
-            "samples": int(total[2])}
+    total = hvd.allreduce(sums, op=hvd.Sum, name="hvdp.evaluate").tolist()
+    return eval_metrics(*total, rank=w.rank)
 
 
 def log(*args: Any, **kwargs: Any) -> None:

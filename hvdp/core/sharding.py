@@ -333,4 +333,26 @@ def eval_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
     return _split(n, size, rank)
 
 
-__all__ = ["epoch_order", "rank_bounds", "real_count", "exact_weight", "ShardPlan", "StreamSplit", "eval_bounds"]
+def eval_metrics(loss_sum: float, correct: float, count: float, rank: int) -> dict[str, float]:
+    """What evaluate() returns from the all-reduced sums of every rank's slice (`eval_bounds`).
+
+    Args:
+        loss_sum: the sum of the per-sample losses over all ranks.
+        correct: the number of correct predictions over all ranks.
+        count: the number of samples scored over all ranks.
+        rank: this rank, named in the error.
+
+    Returns:
+        {"loss": mean loss, "accuracy": fraction correct, "samples": count}, the same on every rank.
+
+    Raises:
+        ConfigError: nothing was scored (an empty evaluation set): on every rank, since the sums are the same.
+    """
+    if count == 0:
+        raise ConfigError("evaluate() was given an empty dataset: nothing to score; pass at least one sample",
+                          rank=rank)
+    return {"loss": float(loss_sum / count), "accuracy": float(correct / count), "samples": int(count)}
+
+
+__all__ = ["epoch_order", "rank_bounds", "real_count", "exact_weight", "ShardPlan", "StreamSplit", "eval_bounds",
+           "eval_metrics"]

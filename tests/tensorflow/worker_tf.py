@@ -376,6 +376,8 @@ def evaluate_counts_every_sample_once(tmp):
         out = model(x, training=False).numpy()
         assert abs(m["accuracy"] - float(np.mean(out.argmax(1) == y))) < 1e-9
         assert abs(m["loss"] - float(LOSS(y, out))) < 1e-5
+    x, y = _data(n=4, seed=0)  # an empty set: the same error on every rank, not NaN metrics
+    expect(ConfigError, lambda: htf.evaluate(model, (x[:0], y[:0])), "empty dataset")
 
 
 @check

@@ -605,6 +605,8 @@ def evaluate_counts_every_sample_once(tmp):
             out = model(x)
         assert abs(m["accuracy"] - float((out.argmax(1) == y).double().mean())) < 1e-9
         assert abs(m["loss"] - float(F.cross_entropy(out.double(), y))) < 1e-6
+    empty = torch.utils.data.TensorDataset(*(t[:0] for t in _data(n=4, seed=0).tensors))
+    expect(ConfigError, lambda: ht.evaluate(model, empty), "empty dataset")  # on every rank, not NaN metrics
 
 
 @check
