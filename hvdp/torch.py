@@ -764,6 +764,15 @@ class _StreamLoader(torch.utils.data.DataLoader):
 
 # ------------------------------------------------------------------------------------------ collectives
 
+def barrier() -> None:
+    """Wait until every rank gets here (Horovod's own barrier, through the controller).
+
+    Every rank must call it; a no-op in a world of size 1. Call init() first.
+    """
+    if hvd.size() > 1:
+        hvd.barrier()
+
+
 def average(value: float | torch.Tensor, name: str | None = None) -> float:
     """The mean of a scalar over all ranks (for metrics and logging). Every rank must call it.
 
@@ -1216,5 +1225,5 @@ def _into(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable:
 
 
 __all__ = ["init", "world", "device", "prepare", "compile", "broadcast", "current_lr", "shard", "ShardSampler",
-           "average", "evaluate", "log", "progress", "SyncBatchNorm", "check_consistency", "check_finite",
+           "barrier", "average", "evaluate", "log", "progress", "SyncBatchNorm", "check_consistency", "check_finite",
            "save_checkpoint", "load_checkpoint", "ElasticState", "elastic_run", "HvdpError"]

@@ -39,7 +39,7 @@ MODULES = (
 # an allgather). A rank that skips one, or calls them in another order, leaves the others waiting forever,
 # so the docstring must say "every rank must call it".
 COLLECTIVES = {
-    "hvdp.torch": {"init", "prepare", "broadcast", "average", "evaluate", "check_consistency", "check_finite",
+    "hvdp.torch": {"init", "barrier", "prepare", "broadcast", "average", "evaluate", "check_consistency", "check_finite",
                    "save_checkpoint", "load_checkpoint", "elastic_run", "SyncBatchNorm.forward",
                    "ElasticState.sync"},
     "hvdp.tensorflow": {"init", "barrier", "allreduce_gradients", "broadcast", "average", "evaluate",

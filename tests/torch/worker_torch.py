@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -607,6 +608,22 @@ def evaluate_counts_every_sample_once(tmp):
         assert abs(m["loss"] - float(F.cross_entropy(out.double(), y))) < 1e-6
     empty = torch.utils.data.TensorDataset(*(t[:0] for t in _data(n=4, seed=0).tensors))
     expect(ConfigError, lambda: ht.evaluate(model, empty), "empty dataset")  # on every rank, not NaN metrics
+
+
+@check
+def barrier_orders_what_ranks_do(tmp):
+    # Each rank but 0 writes its file only after a delay; rank 0 must see every file right after the barrier.
+    d = Path(hvd.broadcast_object(str(tmp / "barrier"), name="barrier.dir"))
+    d.mkdir(exist_ok=True)
+    for round_ in range(3):
+        if world.rank != 0:
+            time.sleep(0.2)
+            (d / f"{round_}.{world.rank}").write_text("here")
+        ht.barrier()
+        if world.rank == 0:
+            missing = [r for r in range(1, world.size) if not (d / f"{round_}.{r}").exists()]
+            assert not missing, f"round {round_}: rank 0 left the barrier before ranks {missing} reached it"
+        ht.barrier()
 
 
 @check
