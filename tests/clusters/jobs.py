@@ -18,3 +18,11 @@ def lines(path) -> list[dict]:
             return [json.loads(line) for line in f if line.endswith("\n")]
     except FileNotFoundError:
         return []
+
+
+def startup() -> float:
+    """The smallest hvdp job: init and one average over the ranks (what tests/clusters/startup.py times)."""
+    import hvdp.torch as hvdp_torch
+
+    hvdp_torch.init()
+    return hvdp_torch.average(1.0)

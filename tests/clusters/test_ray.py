@@ -19,7 +19,7 @@ import pytest
 import hvdp.ray
 from hvdp.core.errors import SetupError
 from tests.clusters.checks import CFG, check_elastic, check_replicas, run_losing_a_worker
-from tests.clusters.conftest import free_port
+from tests.clusters.procs import free_port
 from tests.clusters.jobs import record
 from tests.launch import ROOT, env, result_line
 
