@@ -45,7 +45,7 @@ def test_elastic_job_goes_on_when_a_task_is_killed_and_spark_restarts_it(spark, 
 def test_fewer_task_slots_than_ranks_is_an_error_not_a_silent_wait(spark):
     started = time.monotonic()
     with pytest.raises(SetupError, match=r"needs 3 training processes running at once, and the cluster offered "
-                                         r"2 slot\(s\) after 3s\. .*master local-cluster\[2,1,1024\]"):
+                                         r"2 slot\(s\) after [34]s\. .*master local-cluster\[2,1,1024\]"):
         hvdp.spark.run(record, num_proc=3, start_timeout=3)
     assert time.monotonic() - started < 30
 
