@@ -62,8 +62,9 @@ def java(environ: Mapping[str, str] | None = None) -> str | None:
 def session(master: str | None = None, *, app_name: str = "hvdp", conf: Mapping[str, Any] | None = None):
     """Get the active SparkSession, or create one for `master`, after checking that Java is there.
 
-    With a local master ("local[4]", "local-cluster[2,1,1024]") the executors run this Python
-    (spark.pyspark.python = sys.executable) unless PYSPARK_PYTHON or that setting says otherwise; on a real
+    With a local master ("local[4]", "local-cluster[2,1,1024]") the executors run this Python: PYSPARK_PYTHON
+    is set to sys.executable unless it is set already (pyspark reads that variable, not the
+    spark.pyspark.python setting, for the executors' Python; without it they run `python3`). On a real
     cluster the executors' Python is the cluster's (it must have hvdp, Horovod and your framework).
 
     Args:
@@ -91,8 +92,8 @@ def session(master: str | None = None, *, app_name: str = "hvdp", conf: Mapping[
     settings = {str(k): str(v) for k, v in (conf or {}).items()}
     if master:
         builder = builder.master(master)
-        if master.startswith("local") and "PYSPARK_PYTHON" not in os.environ:
-            settings.setdefault("spark.pyspark.python", sys.executable)
+        if master.startswith("local"):
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     for key, value in settings.items():
         builder = builder.config(key, value)
     try:

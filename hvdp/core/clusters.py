@@ -163,6 +163,8 @@ def split_address(address: str, default_port: int = 6379) -> tuple[str, int]:
         port = rest[1:] if rest.startswith(":") else port
     elif address.count(":") == 1:
         host, port = address.split(":")
+    elif ":" in address:  # an IPv6 address needs brackets to tell it from its port
+        host = ""
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"address={address!r}: expected host:port of the Ray head (e.g. '10.0.0.1:6379'), "
                           f"'auto' on a node of a running cluster, or 'local' to start one here")
