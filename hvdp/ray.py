@@ -144,7 +144,7 @@ def run(train_fn: Callable | str, *, num_workers: int, args: Sequence = (), kwar
     settings = horovod_ray.RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=start_timeout,
                                                        nics=nic_set(nics))
     executor = horovod_ray.RayExecutor(settings, num_workers=n, cpus_per_worker=cpus_per_worker,
-                                       use_gpu=gpus_per_worker > 0, gpus_per_worker=gpus_per_worker or 1)
+                                       use_gpu=gpus_per_worker > 0, gpus_per_worker=gpus_per_worker or None)
     results = _execute(ray, executor, fn, args, kwargs, env, "hvdp.ray.run",
                        f"{n} workers of {cpus_per_worker} CPU(s) and {gpus_per_worker} GPU(s)")
     return pick_results(results, all_ranks, "hvdp.ray.run")
@@ -196,7 +196,7 @@ def run_elastic(train_fn: Callable | str, *, max_workers: int, min_workers: int 
     horovod_ray = require("horovod.ray", HOROVOD)
     settings = horovod_ray.RayExecutor.create_settings(timeout_s=30, nics=nic_set(nics) or {_interface(ray)})
     executor = horovod_ray.RayExecutor(settings, min_workers=low, max_workers=high, cpus_per_worker=cpus_per_worker,
-                                       use_gpu=gpus_per_worker > 0, gpus_per_worker=gpus_per_worker or 1,
+                                       use_gpu=gpus_per_worker > 0, gpus_per_worker=gpus_per_worker or None,
                                        reset_limit=reset_limit, cooldown_range=cooldown_range,
                                        elastic_timeout=elastic_timeout)
     results = _execute(ray, executor, fn, args, kwargs, env, "hvdp.ray.run_elastic",

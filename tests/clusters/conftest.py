@@ -2,9 +2,9 @@
 
     spark: local-cluster[2,1,1024]: a standalone master and two workers inside the driver's JVM, each worker
            starting its own executor JVM with one core, so the two ranks are tasks on two executors.
-    ray:   `ray start --head` (node 127.0.0.1) and `ray start --address` (node 127.0.0.2: another loopback
-           address of this machine, so Ray and Horovod count two nodes, as on two hosts), one CPU each, so
-           the two ranks are actors on two raylets.
+    ray:   `ray start --head` (its node on this machine's address) and `ray start --address` (node 127.0.0.2,
+           a loopback address of this machine: Ray and Horovod count two nodes, as on two hosts), one CPU
+           each, so the two ranks are actors on two raylets.
 
 Both are real clusters, on one host; the namespace hosts of tests/multihost would give each node its own
 network. Every process they start is ended afterwards, even on failure (tests/clusters/procs.py).

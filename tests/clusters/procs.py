@@ -17,7 +17,9 @@ from tests.launch import BIN, ROOT, env
 
 SPARK_MASTER = "local-cluster[2,1,1024]"  # two workers with one core and 1 GiB each: two executors
 
-RAY_NODES = ("127.0.0.1", "127.0.0.2")  # two loopback addresses of this machine: two nodes to Ray and Horovod
+# The head's GCS is reached on 127.0.0.1; the head node itself takes the address Ray picks (this machine's
+# own, or 127.0.0.1 without a network), the second node 127.0.0.2: two addresses, so two hosts to Horovod.
+RAY_HEAD, RAY_NODE = "127.0.0.1", "127.0.0.2"
 
 
 def _children() -> dict[int, list[int]]:
@@ -88,9 +90,9 @@ def ray_start(args: list[str], log: Path) -> subprocess.Popen:
 def ray_stop(proc: subprocess.Popen) -> None:
     """SIGTERM the `ray start --block` (it stops what it started), then SIGKILL anything left in its session."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # ray start --block then stops the processes it started
-        try:
-            proc.wait(20)
+        os.killpg(proc.pid, signal.SIGTERM)  # ray start --block then stops what it started, after
+        try:                                 # draining the node (up to 30 s on a head): not waited for
+            proc.wait(3)
         except subprocess.TimeoutExpired:
             pass
     kill(in_session(proc.pid))
@@ -105,7 +107,7 @@ def _wait(what: str, ready, deadline: float, log: Path | None = None) -> None:
 
 
 def start_ray(logs: Path) -> tuple[str, list[subprocess.Popen]]:
-    """`ray start --head` (node RAY_NODES[0]) and `ray start --address` (node RAY_NODES[1]), one CPU each;
+    """`ray start --head` and `ray start --address` (node RAY_NODE), one CPU each;
     this process connected as a driver (hvdp.ray.connect) once both nodes are alive. Returns the head's
     address and the two `ray start` processes (for stop_ray), all stopped again if this fails."""
     import ray
@@ -113,22 +115,22 @@ def start_ray(logs: Path) -> tuple[str, list[subprocess.Popen]]:
     import hvdp.ray
 
     port, nodes = free_port(), []
-    address = f"{RAY_NODES[0]}:{port}"
+    address = f"{RAY_HEAD}:{port}"
     deadline = time.monotonic() + 120
 
     def head_answers() -> bool:
         assert nodes[0].poll() is None, (logs / "head.log").read_text()[-3000:]
         try:
-            socket.create_connection((RAY_NODES[0], port), timeout=1).close()
+            socket.create_connection((RAY_HEAD, port), timeout=1).close()
             return True
         except OSError:
             return False
 
     try:
-        nodes.append(ray_start(["--head", "--node-ip-address", RAY_NODES[0], "--port", str(port),
+        nodes.append(ray_start(["--head", "--port", str(port),
                                 "--include-dashboard", "false", "--temp-dir", str(logs / "tmp")], logs / "head.log"))
         _wait("Ray head", head_answers, deadline, logs / "head.log")
-        nodes.append(ray_start(["--address", address, "--node-ip-address", RAY_NODES[1]], logs / "worker.log"))
+        nodes.append(ray_start(["--address", address, "--node-ip-address", RAY_NODE], logs / "worker.log"))
         hvdp.ray.connect(address)
         _wait("second Ray node", lambda: sum(n["Alive"] for n in ray.nodes()) >= 2, deadline, logs / "worker.log")
     except BaseException:
