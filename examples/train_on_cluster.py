@@ -51,7 +51,7 @@ def launch(args: argparse.Namespace, cfg: TrainConfig) -> list[dict]:
     if args.cluster == "spark":
         import hvdp.spark
         hvdp.spark.session(args.master, app_name="hvdp digits")  # hvdp: Java checked, executors on this Python
-        if args.elastic:  # hvdp: one rank per Spark task; a failed task is restarted and rejoins
+        if args.elastic:  # hvdp: one rank per Spark task; the others go on when one fails
             return hvdp.spark.run_elastic(target, num_proc=args.workers, min_num_proc=args.min_workers or 1,
                                           max_num_proc=args.workers, args=(cfg,), all_ranks=True)
         return hvdp.spark.run(target, num_proc=args.workers, args=(cfg,), all_ranks=True)

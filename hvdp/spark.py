@@ -11,12 +11,12 @@ and trains; run() returns rank 0's return value (all_ranks=True: every rank's, i
 horovod.spark.run does). It is either a function (pickled to the executors with cloudpickle) or the name
 "module:function", imported only on the executors, so the driver never loads the framework. run_elastic()
 is Horovod's elastic mode (PyTorch: hvdp_torch.ElasticState and elastic_run); each Spark task attempt is
-a host of its own there, so a task that fails is restarted by Spark and rejoins the job.
+a host of its own there: the others go on when one fails, and Spark runs it again as a new host.
 
 Before Horovod starts, hvdp checks what otherwise fails late or hangs: no Java (session()), no active
-SparkSession, fewer task slots than processes (Horovod would wait start_timeout, 600 s, in silence; hvdp
-says what it waits for every 10 s and then names the slots it got), a stopped SparkContext (a master that
-cannot be reached gives up after about a minute), and a launch from a driver script's top level without an
+SparkSession, a spark:// master nobody answers at (session(); Spark would try for a minute), fewer task
+slots than processes (Horovod would wait start_timeout, 600 s, in silence; hvdp says what it waits for
+every 10 s and then names the slots it got), a stopped SparkContext, and a launch from a driver script's top level without an
 `if __name__ == "__main__":` guard under MPI. Importing this module imports neither pyspark nor Horovod.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from hvdp._launch import check_main_guard, require, training_function, wait_for
 from hvdp.core.clusters import (check_controller, check_count, elastic_bounds, nic_set, pick_results,
-                                slots_message)
+                                slots_message, spark_masters)
 from hvdp.core.errors import ConfigError, SetupError
 
 PYSPARK = "pip install pyspark (the version in constraints.txt; `make setup` installs it)"
@@ -77,9 +78,15 @@ def session(master: str | None = None, *, app_name: str = "hvdp", conf: Mapping[
         The pyspark.sql.SparkSession.
 
     Raises:
-        SetupError: no Java (JAVA_HOME unset or wrong, no java on PATH), Java could not start Spark, or
-            pyspark is not installed.
+        ConfigError: a malformed spark:// master URL.
+        SetupError: no Java (JAVA_HOME unset or wrong, no java on PATH), Java could not start Spark, no
+            standalone master of a spark:// URL accepts a connection within 5 s (Spark would try for a
+            minute before failing), or pyspark is not installed.
     """
+    masters = spark_masters(master or "")
+    if masters and not any(_answers(host, port) for host, port in masters):
+        raise SetupError(f"cannot reach the Spark master at {master}: nothing accepts a connection there. Start it "
+                         f"(`$SPARK_HOME/sbin/start-master.sh`) or fix the URL")
     found = java()
     if found is None:
         why = (f"JAVA_HOME={os.environ['JAVA_HOME']} has no bin/java" if os.environ.get("JAVA_HOME")
@@ -103,6 +110,14 @@ def session(master: str | None = None, *, app_name: str = "hvdp", conf: Mapping[
             raise SetupError(f"{found} could not start Spark ({e}); its error is printed above. Spark 4 needs "
                              f"Java 17 or newer: {NO_JAVA.split(': ', 1)[1]}") from e
         raise
+
+
+def _answers(host: str, port: int, timeout: float = 5.0) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def _context():

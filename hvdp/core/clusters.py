@@ -171,6 +171,27 @@ def split_address(address: str, default_port: int = 6379) -> tuple[str, int]:
     return host, int(port)
 
 
+def spark_masters(master: str) -> list[tuple[str, int]]:
+    """The (host, port) of each standalone master a "spark://h1:7077[,h2:7077]" URL names; [] for any other
+    master (local, yarn, k8s://...), whose reachability Spark itself decides.
+
+    Args:
+        master: the Spark master URL.
+
+    Raises:
+        ConfigError: a spark:// URL whose host:port is malformed.
+    """
+    if not master.startswith("spark://"):
+        return []
+    found = []
+    for part in master[len("spark://"):].split(","):
+        try:
+            found.append(split_address(part, default_port=7077))
+        except ConfigError:
+            raise ConfigError(f"master={master!r}: expected spark://host:port[,host:port] (7077 by default)") from None
+    return found
+
+
 def shared_interface(node_ips: Sequence[str], interfaces: Mapping[str, Sequence[tuple[str, str]]],
                      driver_ip: str) -> str | None:
     """The network interface an elastic job's workers should talk over, judged from the driver's host.
@@ -243,5 +264,5 @@ def pick_results(results: Sequence[Any], all_ranks: bool, launcher: str) -> Any:
 
 
 __all__ = ["CONTROLLERS", "check_count", "check_controller", "elastic_bounds", "main_guard_message", "nic_set",
-           "no_interface_message", "pick_results", "shared_interface", "slots_message", "split_address",
+           "no_interface_message", "pick_results", "shared_interface", "slots_message", "spark_masters", "split_address",
            "unguarded"]

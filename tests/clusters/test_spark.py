@@ -18,6 +18,7 @@ import hvdp.spark
 from hvdp.core.errors import SetupError
 from tests.clusters.checks import CFG, check_elastic, check_replicas, run_losing_a_worker
 from tests.clusters.jobs import record
+from tests.clusters.procs import free_port
 from tests.launch import env
 
 pytestmark = pytest.mark.cluster
@@ -31,9 +32,10 @@ def test_main_job_trains_as_two_spark_tasks(spark, framework):
     check_replicas(results, 2)
 
 
-def test_elastic_job_goes_on_when_a_task_is_killed_and_spark_restarts_it(spark, tmp_path):
-    """min 1, max 2 ranks: rank 1's process is SIGKILLed after epoch 0; its Spark task fails, Spark runs it
-    again (a new host to Horovod), and the job ends all 12 epochs with every final rank's weights equal."""
+def test_elastic_job_goes_on_when_a_task_is_killed(spark, tmp_path):
+    """min 1, max 2 ranks: rank 1's process is SIGKILLed after epoch 0; its Spark task fails (Spark runs it
+    again, as a new host to Horovod), the job goes on and ends all 12 epochs with every final rank's weights
+    equal."""
     started = time.monotonic()
     results, killed, progress = run_losing_a_worker(
         hvdp.spark.run_elastic, tmp_path, num_proc=2, min_num_proc=1, max_num_proc=2, start_timeout=120,
@@ -47,6 +49,15 @@ def test_fewer_task_slots_than_ranks_is_an_error_not_a_silent_wait(spark):
     with pytest.raises(SetupError, match=r"needs 3 training processes running at once, and the cluster offered "
                                          r"2 slot\(s\) after [34]s\. .*master local-cluster\[2,1,1024\]"):
         hvdp.spark.run(record, num_proc=3, start_timeout=3)
+    assert time.monotonic() - started < 30
+
+
+def test_an_unreachable_master_is_refused_at_once(tmp_path):
+    port = free_port()
+    started = time.monotonic()
+    proc = _python(["-c", f"import hvdp.spark; hvdp.spark.session('spark://127.0.0.1:{port}')"], tmp_path)
+    assert proc.returncode == 1
+    assert f"SetupError: cannot reach the Spark master at spark://127.0.0.1:{port}" in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - started < 30
 
 

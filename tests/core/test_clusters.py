@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 from hvdp.core.clusters import (check_controller, check_count, elastic_bounds, nic_set, no_interface_message,
-                                pick_results, shared_interface, split_address, unguarded)
+                                pick_results, shared_interface, spark_masters, split_address, unguarded)
 from hvdp.core.errors import ConfigError, HvdpError
 
 SCRIPT = textwrap.dedent('''\
@@ -95,6 +95,13 @@ def test_split_address(address, expected):
 def test_split_address_refuses_malformed_ones(address):
     with pytest.raises(ConfigError, match="host:port of the Ray head"):
         split_address(address)
+
+
+def test_spark_masters():
+    assert spark_masters("spark://head:7078,standby") == [("head", 7078), ("standby", 7077)]
+    assert spark_masters("local-cluster[2,1,1024]") == [] and spark_masters("yarn") == []
+    with pytest.raises(ConfigError, match="expected spark://host:port"):
+        spark_masters("spark://head:x")
 
 
 LO = [("127.0.0.1", "255.0.0.0")]
