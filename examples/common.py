@@ -9,6 +9,7 @@ writes them there first if DIR has none (write_files), in the layout each exampl
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import struct
 import sys
@@ -21,6 +22,7 @@ from hvdp.core.errors import ConfigError, HvdpError
 from hvdp.core.records import frame
 
 TEST_FRACTION = 0.2
+DEFAULTS = {"epochs": 12, "batch_size": 32, "lr": 0.03, "warmup_epochs": 1.0}  # the examples' flags' defaults
 SPLIT_SEED = 0  # fixed: every run, every rank and every world size gets the same train/test split
 
 
@@ -114,16 +116,34 @@ def num_classes(*ys: np.ndarray) -> int:
     return max((int(y.max()) for y in ys if len(y)), default=0) + 1
 
 
-def report(metrics: dict, *, framework: str, world_size: int, epochs: int, samples: int, seconds: float) -> None:
-    """The examples' last line of output: `result: {json}` (rank 0 only; callers check).
+def summary(metrics: dict, *, framework: str, world_size: int, epochs: int, samples: int, seconds: float,
+            **extra) -> dict:
+    """What a training run reports: `metrics` is what the adapter's evaluate() returned; `samples` is the
+    training samples of all ranks; `extra` (a rank, a weights digest) is added as it is."""
+    return {"test_accuracy": round(metrics["accuracy"], 4), "test_loss": round(metrics["loss"], 4),
+            "test_samples": metrics["samples"], "world_size": world_size, "epochs": epochs,
+            "samples_per_sec": round(samples / seconds, 1) if seconds else 0.0, "seconds": round(seconds, 2),
+            "framework": framework, **extra}
 
-    `metrics` is what the adapter's evaluate() returned; `samples` is the training samples of all ranks.
-    """
-    result = {"test_accuracy": round(metrics["accuracy"], 4), "test_loss": round(metrics["loss"], 4),
-              "test_samples": metrics["samples"], "world_size": world_size, "epochs": epochs,
-              "samples_per_sec": round(samples / seconds, 1) if seconds else 0.0, "seconds": round(seconds, 2),
-              "framework": framework}
+
+def report(metrics: dict, **fields) -> None:
+    """The examples' last line of output: `result: {json}` of summary(metrics, **fields) (rank 0 only;
+    callers check)."""
+    print_result(summary(metrics, **fields))
+
+
+def print_result(result: dict) -> None:
+    """Print `result: {json}`, the line the tests and `hvdp bench` read."""
     print("result: " + json.dumps(result, sort_keys=True), flush=True)
+
+
+def digest(arrays) -> str:
+    """SHA-256 of the bytes of `arrays` (numpy arrays, in order): equal on two ranks iff their weights are
+    bit-identical."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
 
 
 def fail(error: HvdpError) -> None:

@@ -5,6 +5,7 @@
     mpirun --allow-run-as-root -np 2 python examples/train_keras.py  # OpenMPI directly
 
 Every line that distribution costs is tagged `# hvdp:`. The last line printed is `result: {json}`.
+train(cfg) is the whole job as a function, which examples/train_on_cluster.py runs on Spark and Ray.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import tensorflow as tf  # noqa: E402
 
 import hvdp.keras as hvdp_keras  # noqa: E402
 import hvdp.tensorflow as hvdp_tf  # noqa: E402
-from common import fail, load_data, num_classes, parse_config, record_files, report, write_files  # noqa: E402
+from common import (DEFAULTS, digest, fail, load_data, num_classes, parse_config, print_result,  # noqa: E402
+                    record_files, summary, write_files)
 from hvdp.core.checkpoint import write_atomic  # noqa: E402
 from hvdp.core.errors import ConfigError, HvdpError  # noqa: E402
 
@@ -56,8 +58,9 @@ def training_data(adapter, cfg, x: np.ndarray, y: np.ndarray, world, **options) 
     return adapter.shard(records, batch_size=cfg.batch_size, seed=cfg.seed, map=parse, **options)  # hvdp: this rank's
 
 
-def main() -> None:
-    cfg = parse_config(__doc__.splitlines()[0], epochs=12, batch_size=32, lr=0.03, warmup_epochs=1.0)
+def train(cfg) -> dict:
+    """Train and evaluate on every rank (every rank must call it); returns this rank's summary, with its
+    rank and the digest of its final weights. Rank 0 also saves the model (--save-model)."""
     world = hvdp_keras.init(timeline=cfg.timeline, device=cfg.device)  # hvdp: rank, size; its own GPU if any
     if cfg.adasum:
         raise ConfigError("--adasum is implemented by the PyTorch adapter only; the TensorFlow/Keras adapters "
@@ -102,12 +105,17 @@ def main() -> None:
 
     hvdp_keras.check_consistency(model)  # hvdp: raises, naming rank and variable, if replicas diverged
     metrics = hvdp_keras.evaluate(model, (x_test, y_test))
-    if world.is_main:  # hvdp: rank 0 saves and reports
-        if cfg.save_model:
-            weights = {f"w{i:03d}": w for i, w in enumerate(model.get_weights())}
-            write_atomic(cfg.save_model, lambda f: np.savez(f, **weights))
-        report(metrics, framework="keras", world_size=world.size, epochs=cfg.epochs,
-               samples=samples, seconds=seconds)
+    weights = {f"w{i:03d}": w for i, w in enumerate(model.get_weights())}
+    if world.is_main and cfg.save_model:  # hvdp: rank 0 saves
+        write_atomic(cfg.save_model, lambda f: np.savez(f, **weights))
+    return summary(metrics, framework="keras", world_size=world.size, epochs=cfg.epochs, samples=samples,
+                   seconds=seconds, rank=world.rank, weights_sha256=digest(weights.values()))
+
+
+def main() -> None:
+    result = train(parse_config(__doc__.splitlines()[0], **DEFAULTS))
+    if result["rank"] == 0:  # hvdp: rank 0 reports
+        print_result(result)
 
 
 class _TensorBoardScalars(keras.callbacks.Callback):

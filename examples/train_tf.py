@@ -19,14 +19,14 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvdp.tensorflow as hvdp_tf  # noqa: E402
-from common import fail, load_data, num_classes, parse_config, report  # noqa: E402
+from common import DEFAULTS, fail, load_data, num_classes, parse_config, report  # noqa: E402
 from hvdp.core.checkpoint import write_atomic  # noqa: E402
 from hvdp.core.errors import ConfigError, HvdpError  # noqa: E402
 from train_keras import build_model, training_data  # noqa: E402  (the same CNN and data)
 
 
 def main() -> None:
-    cfg = parse_config(__doc__.splitlines()[0], epochs=12, batch_size=32, lr=0.03, warmup_epochs=1.0)
+    cfg = parse_config(__doc__.splitlines()[0], **DEFAULTS)
     world = hvdp_tf.init(timeline=cfg.timeline, device=cfg.device)  # hvdp: rank, size; its own GPU if any
     if cfg.adasum:
         raise ConfigError("--adasum is implemented by the PyTorch adapter only; the TensorFlow/Keras adapters "

@@ -5,6 +5,7 @@
     mpirun --allow-run-as-root -np 2 python examples/train_torch.py  # OpenMPI directly
 
 Every line that distribution costs is tagged `# hvdp:`. The last line printed is `result: {json}`.
+train(cfg) is the whole job as a function, which examples/train_on_cluster.py runs on Spark and Ray.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hvdp.torch as hvdp_torch
-from common import fail, load_data, num_classes, parse_config, report, write_files
+from common import (DEFAULTS, digest, fail, load_data, num_classes, parse_config, print_result, summary,
+                    write_files)
 from hvdp.core.checkpoint import write_atomic
 from hvdp.core.errors import ConfigError, HvdpError
 
@@ -64,8 +66,9 @@ def training_set(cfg, x: np.ndarray, y: np.ndarray, world) -> tuple[torch.utils.
     return SampleFiles(cfg.files), {"num_workers": 2}
 
 
-def main() -> None:
-    cfg = parse_config(__doc__.splitlines()[0], epochs=12, batch_size=32, lr=0.03, warmup_epochs=1.0)
+def train(cfg) -> dict:
+    """Train and evaluate on every rank (every rank must call it); returns this rank's summary, with its
+    rank and the digest of its final weights. Rank 0 also saves the model (--save-model)."""
     world = hvdp_torch.init(timeline=cfg.timeline, device=cfg.device)  # hvdp: rank, size, its own GPU if any
     device = hvdp_torch.device()  # hvdp: this rank's GPU (cuda:local_rank) or the CPU
     torch.manual_seed(cfg.seed)
@@ -136,12 +139,18 @@ def main() -> None:
     metrics = hvdp_torch.evaluate(model, test_set)
     if writer:
         writer.close()
-    if world.is_main:  # hvdp: rank 0 saves and reports
-        if cfg.save_model:
-            weights = {k: v.cpu() for k, v in model.state_dict().items()}  # loadable without a GPU
-            write_atomic(Path(cfg.save_model), lambda f: torch.save(weights, f))
-        report(metrics, framework="torch", world_size=world.size, epochs=cfg.epochs,
-               samples=samples * world.size, seconds=seconds)
+    weights = {k: v.cpu() for k, v in model.state_dict().items()}  # loadable without a GPU
+    if world.is_main and cfg.save_model:  # hvdp: rank 0 saves
+        write_atomic(Path(cfg.save_model), lambda f: torch.save(weights, f))
+    return summary(metrics, framework="torch", world_size=world.size, epochs=cfg.epochs,
+                   samples=samples * world.size, seconds=seconds, rank=world.rank,
+                   weights_sha256=digest(w.numpy() for w in weights.values()))
+
+
+def main() -> None:
+    result = train(parse_config(__doc__.splitlines()[0], **DEFAULTS))
+    if result["rank"] == 0:  # hvdp: rank 0 reports
+        print_result(result)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,15 @@ apply_fixes() {
     # while it waits; it now blocks on a condition variable that the background thread signals.
     patch -s -p1 -d "$1" < "$csrc/patches/torch_wait.patch"
     grep -q 'handle_manager.WaitHandle(handle)' "$1/horovod/torch/mpi_ops_v2.cc" || { echo "torch wait patch failed" >&2; exit 1; }
+    # Fix 6: horovod.ray and horovod.spark on today's Ray and without pyarrow (hvdp.ray, hvdp.spark): Ray's
+    # deprecated get_runtime_context().node_id and ray.state.current_node_id() replaced; a one-node elastic
+    # job no longer waits (until elastic_timeout) for a second host to probe interfaces; the elastic adapter's
+    # shutdown() stops a driver whose start timed out instead of failing an assertion; a placement group
+    # that timed out is removed instead of left pending; horovod.spark.run imports without pyarrow.
+    patch -s -p1 -d "$1" < "$csrc/patches/ray.patch"
+    grep -q 'get_runtime_context().get_node_id()' "$1/horovod/ray/worker.py" \
+        && grep -q 'ray.util.remove_placement_group(pg)' "$1/horovod/ray/strategy.py" \
+        && grep -q 'self.driver.stop()' "$1/horovod/ray/elastic_v2.py" || { echo "ray patch failed" >&2; exit 1; }
     # Addition (not a repair): hvdp's shared-memory allreduce for ranks on one host, tried before MPI's.
     # csrc/horovod/shm_operations.cc says how it works; it is off unless HVDP_SHM_ALLREDUCE=1.
     cp "$csrc/shm_operations.h" "$csrc/shm_operations.cc" "$1/horovod/common/ops/"

@@ -17,7 +17,7 @@ case "$pyver" in
     *) die "python $pyver is not supported by the pinned stack in constraints.txt (needs 3.10-3.13); set PYTHON=/path/to/python3.11" ;;
 esac
 
-# 2. System packages: OpenMPI (mpirun + headers for Horovod and mpi4py) and a C++ toolchain.
+# 2. System packages: OpenMPI (mpirun + headers for Horovod and mpi4py), a C++ toolchain, Java for Spark.
 missing=()
 command -v mpirun >/dev/null || missing+=(openmpi-bin)
 command -v mpicxx >/dev/null || missing+=(libopenmpi-dev)
@@ -29,6 +29,9 @@ command -v ssh >/dev/null || missing+=(openssh-client)
 # The multihost tests run a real sshd per network-namespace host (tests/multihost).
 [[ -x /usr/sbin/sshd ]] || command -v sshd >/dev/null || missing+=(openssh-server)
 command -v ip >/dev/null || missing+=(iproute2)
+# Spark 4 (hvdp.spark, tests/clusters) runs on Java 17 or newer: the JAVA_HOME one, else java on PATH.
+java_major="$("${JAVA_HOME:+$JAVA_HOME/bin/}java" -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1 || true)"
+[[ "${java_major:-0}" -ge 17 ]] || missing+=(openjdk-17-jre-headless)
 apt_install setup "${missing[@]}"
 
 # 3. The virtual environment and the pinned Python stack. The stamp records what was installed, so a
@@ -40,12 +43,13 @@ stamp="$VENV/.hvdp-stamp"
 want="$(find "$root/constraints.txt" "$root/setup.cfg" "$here/setup.sh" "$here/build_horovod.sh" "$root/csrc/horovod" -type f \
         | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
-    say "installing the pinned stack (torch $(pin torch), tensorflow-cpu $(pin tensorflow-cpu), keras $(pin keras))"
+    say "installing the pinned stack (torch $(pin torch), tensorflow-cpu $(pin tensorflow-cpu), keras $(pin keras), pyspark $(pin pyspark), ray $(pin ray))"
     "$VPY" -m pip install -q --upgrade pip setuptools wheel
-    # torch pinned exactly: a bare `torch` would pull a multi-GB CUDA build.
+    # torch pinned exactly: a bare `torch` would pull a multi-GB CUDA build. pyspark and ray are the plain
+    # packages hvdp.spark and hvdp.ray need (not Horovod's [spark]/[ray] extras, which pin pyarrow<11).
     "$VPY" -m pip install -q -c "$root/constraints.txt" \
         "torch==$(pin torch)" "tensorflow-cpu==$(pin tensorflow-cpu)" "keras==$(pin keras)" \
-        cloudpickle psutil pyyaml packaging
+        "pyspark==$(pin pyspark)" "ray==$(pin ray)" cloudpickle psutil pyyaml packaging
     # mpi4py built against the system OpenMPI (its wheels carry their own MPI).
     "$VPY" -m pip install -q --no-binary mpi4py "mpi4py==$(pin mpi4py)"
     rm -f "$stamp.horovod"

@@ -2,11 +2,12 @@
 import subprocess
 import sys
 
-HEAVY = ("torch", "tensorflow", "keras", "horovod", "mpi4py", "sklearn", "matplotlib")
+HEAVY = ("torch", "tensorflow", "keras", "horovod", "mpi4py", "sklearn", "matplotlib", "pyspark", "ray", "py4j")
 
 
 def test_import_hvdp_loads_no_framework():
-    code = ("import sys, hvdp, hvdp.core.sharding, hvdp.core.checkpoint, hvdp.tools.cli;"
+    code = ("import sys, hvdp, hvdp.core.sharding, hvdp.core.checkpoint, hvdp.core.clusters, hvdp.tools.cli, "
+            "hvdp.spark, hvdp.ray;"
             f"print([m for m in {HEAVY!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
