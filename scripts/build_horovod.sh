@@ -50,6 +50,12 @@ apply_fixes() {
     grep -q 'get_runtime_context().get_node_id()' "$1/horovod/ray/worker.py" \
         && grep -q 'ray.util.remove_placement_group(pg)' "$1/horovod/ray/strategy.py" \
         && grep -q 'self.driver.stop()' "$1/horovod/ray/elastic_v2.py" || { echo "ray patch failed" >&2; exit 1; }
+    # Fix 7: under Gloo the stall inspector never warned nor shut a job down (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
+    # ignored: ranks left in different collectives waited forever). GlooController::Initialize reserve()d
+    # global_ranks_ and wrote the ranks past its end, so the vector stayed empty and CheckForStalledTensors,
+    # which counts the process set's ranks by its size(), saw none missing. resize() it, as MPI's controller does.
+    sed -i 's/^  global_ranks_.reserve(size_);/  global_ranks_.resize(size_);/' "$1/horovod/common/gloo/gloo_controller.cc"
+    grep -q '^  global_ranks_.resize(size_);' "$1/horovod/common/gloo/gloo_controller.cc" || { echo "gloo ranks patch failed" >&2; exit 1; }
     # Addition (not a repair): hvdp's shared-memory allreduce for ranks on one host, tried before MPI's.
     # csrc/horovod/shm_operations.cc says how it works; it is off unless HVDP_SHM_ALLREDUCE=1.
     cp "$csrc/shm_operations.h" "$csrc/shm_operations.cc" "$1/horovod/common/ops/"

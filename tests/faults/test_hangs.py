@@ -90,3 +90,35 @@ def test_stopped_rank_inside_the_shared_memory_allreduce_is_named_by_its_peer():
         or "rank 1 did not reach the reduce step of 'allreduce.stall' within 2 s (rank 0 waited for it)" in out, out[-3000:]
     assert "rank 0 did not reach the" in out and "(rank 1 waited for it)" in out, out[-3000:]
     assert "HVDP_SHM_ALLREDUCE=0 uses MPI's allreduce instead" in out
+
+
+def test_ranks_in_different_collectives_end_with_the_missing_tensors_named():
+    """Each rank waits in an allgather the other never submits. With the stall check at 2 s and the shutdown
+    at 4 s, Horovod ends both ranks with "Horovod has been shut down" and rank 0 lists each rank's missing
+    tensor, under MPI and under Gloo (a stock Horovod 0.28.1 never warns nor ends it under Gloo: its Gloo
+    controller counted no ranks; Fix 7 in scripts/build_horovod.sh). MPI and Gloo run side by side."""
+    worker = Path(__file__).with_name("diverge_worker.py")
+    procs = {launcher: subprocess.Popen(launcher_cmd(launcher) + [str(worker)], cwd=ROOT, start_new_session=True,
+                                        env=env(HOROVOD_STALL_CHECK_TIME_SECONDS="2",
+                                                HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="4"),
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for launcher in ("mpi", "gloo")}
+    outs = {}
+    for launcher, proc in procs.items():
+        try:
+            outs[launcher], _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            outs[launcher] = "(still running after 90 s: the job hung)"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    for launcher, out in outs.items():
+        for rank in (0, 1):
+            assert f"diverge: rank {rank} failed" in out, (launcher, out[-3000:])
+        assert out.count("Horovod has been shut down") >= 2, (launcher, out[-3000:])
+        assert "Missing ranks:" in out and "is stalled for longer than 4 seconds. Will shutdown." in out, \
+            (launcher, out[-3000:])
+        assert "0!: [allgather.diverge.rank1]" in out and "1!: [allgather.diverge.rank0]" in out, (launcher, out[-3000:])
