@@ -9,8 +9,10 @@ collecting this file does not load torch or TensorFlow.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import pydoc
 import re
@@ -62,6 +64,23 @@ _RAISE = re.compile(r"^\s*raise\s+([A-Z]\w*Error)\b", re.M)
 
 def _defined_in_hvdp(obj) -> bool:
     return (getattr(obj, "__module__", "") or "").split(".")[0] == "hvdp"
+
+
+def _implementation(module) -> list:
+    """The modules whose definitions are `module`'s API: `module` itself and, for a package (hvdp.tensorflow),
+    the submodules its __init__ imports from, unless they are documented modules of their own (in MODULES)."""
+    if not hasattr(module, "__path__"):
+        return [module]
+    subs = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module
+        if node.level:  # relative: from .runtime import init
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), module.__name__)
+        names = [base] if node.module else [f"{base}.{a.name}" for a in node.names]
+        subs |= {n for n in names if n.startswith(module.__name__ + ".") and n not in MODULES}
+    return [module] + [importlib.import_module(s) for s in sorted(subs)]
 
 
 def _params(func) -> list[str]:
@@ -148,9 +167,9 @@ def test_all_lists_the_public_api(modname):
     module, names = _api(modname)
     missing = [n for n in names if not hasattr(module, n)]
     assert not missing, f"{modname}.__all__ names {missing}, which the module does not define"
-    defined = sorted(n for n, obj in vars(module).items()
-                     if not n.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
-                     and getattr(obj, "__module__", None) == modname)
+    defined = sorted({n for m in _implementation(module) for n, obj in vars(m).items()
+                      if not n.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+                      and getattr(obj, "__module__", None) == m.__name__})
     unlisted = [n for n in defined if n not in names and n not in NOT_API.get(modname, set())]
     assert not unlisted, (f"{modname} defines public {unlisted} but its __all__ leaves them out: add them to "
                           f"__all__, rename them with a leading underscore, or list them in NOT_API here")

@@ -1,0 +1,168 @@
+"""shard() of a map-style dataset: ShardSampler (this rank's batches of each epoch, its resumable position)
+and the DataLoader that tells the gradient hooks which batch is being trained on. Streams: streams.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.utils.data
+
+from hvdp.core.errors import ConfigError
+from hvdp.core.sharding import ShardPlan, StreamSplit
+from hvdp.torch.runtime import hvd, init, world
+from hvdp.torch.streams import _stream
+from hvdp.torch.weights import _handing_out
+
+
+class ShardSampler(torch.utils.data.Sampler):
+    """A batch sampler yielding this rank's batches; each iteration starts the next epoch by itself.
+
+    Its position is (epoch, offset): the next iteration runs `epoch` from `offset` samples into the
+    epoch order. Under an ElasticState it also counts the optimizer steps of the iteration in progress,
+    so that a commit records exactly what was trained on and a resized world carries on from there.
+    shard() builds one; use it as a DataLoader's batch_sampler. len() is the number of batches left in
+    the next iteration.
+
+    Args:
+        plan: the hvdp.core.sharding.ShardPlan of this rank; replaced by one for the new rank and size when
+            an elastic reset changes them.
+    """
+
+    def __init__(self, plan: ShardPlan):
+        self.plan = plan
+        self.epoch, self.offset = 0, 0
+        self._running: list[int] | None = None  # [epoch, offset, steps, steps trained] of this iteration
+
+    def __len__(self) -> int:
+        return self.plan.steps_for(self.plan.n - self.offset)
+
+    def __iter__(self):
+        self._follow_world()
+        epoch, offset = self.epoch, self.offset
+        self.epoch, self.offset = epoch + 1, 0
+        self._running = [epoch, offset, self.plan.steps_for(self.plan.n - offset), 0]
+        for batch in self.plan.batches(epoch, offset=offset):
+            yield batch.tolist()
+
+    def set_position(self, epoch: int, step: int = 0) -> None:
+        """Make the next iteration run `epoch` from batch `step` (used when resuming a checkpoint).
+
+        Args:
+            epoch: the epoch to run next.
+            step: batches of that epoch already done, at the current world size (default 0).
+        """
+        self.resume(int(epoch), self.plan.consumed(0, int(step)))
+
+    def resume(self, epoch: int, offset: int) -> None:
+        """Make the next iteration run `epoch` from `offset` samples into its order.
+
+        Args:
+            epoch: the epoch to run next.
+            offset: samples of its epoch order already trained on, by a world of any size.
+        """
+        self.epoch, self.offset, self._running = epoch, offset, None
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, offset) of the first sample not trained on yet, counting recorded steps."""
+        if self._running is not None:
+            epoch, offset, steps, trained = self._running
+            if trained < steps:
+                return epoch, self.plan.consumed(offset, trained)
+        return self.epoch, self.offset
+
+    def record_steps(self, batches: int) -> None:
+        """Record that `batches` batches of the iteration in progress were trained on.
+
+        Called after each optimizer step under an ElasticState; a no-op between iterations.
+        """
+        if self._running is not None:
+            self._running[3] += batches
+
+    def gradient_weight(self, index: int, passes: int = 1) -> float:
+        """The weight of batch `index` of the iteration in progress when `passes` batches make one step
+        (ShardPlan.gradient_weight): 1.0 for a full step, size*passes*real/(the step's real samples) otherwise."""
+        offset = self._running[1] if self._running is not None else self.offset
+        return self.plan.gradient_weight(index, offset, passes)
+
+    def _follow_world(self) -> None:
+        """Re-split the data when an elastic reset changed this rank's place in the world."""
+        if hvd.is_initialized() and (hvd.rank(), hvd.size()) != (self.plan.rank, self.plan.size):
+            self.plan = dataclasses.replace(self.plan, rank=hvd.rank(), size=hvd.size())
+
+
+def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool = True, seed: int = 0,
+          drop_last: bool = False, transform: Callable | None = None,
+          **loader_kwargs: Any) -> torch.utils.data.DataLoader:
+    """A DataLoader over this rank's share of `dataset`; `batch_size` is per rank.
+
+    The epoch order depends only on (seed, epoch); ranks get disjoint slices of each global batch, so
+    N ranks with batch b see at every step exactly what one process with batch N*b sees. Each iteration
+    over the loader is the next epoch (no set_epoch to forget); every rank gets the same number of batches.
+    Calls init() if Horovod is not initialised yet.
+
+    A stream (a torch IterableDataset: WebDataset, a Hugging Face streaming dataset, a database cursor) is
+    split the same way with the stream's own order as the epoch order: every rank and loader worker reads
+    the whole stream, keeps its part, and applies `transform` to that part only. The ranks agree every few
+    batches on how far their streams went, so all take the same number of steps, and a stream that ends
+    early or differs on one rank is a DataError on every rank instead of a hang. Each iteration calls the
+    dataset's set_epoch(epoch) if it has one (its shuffle per epoch); hvdp cannot reorder a stream. Resuming
+    mid-epoch reads the stream again from its start and drops the steps already trained on.
+
+    Args:
+        dataset: a map-style dataset (len() and indexing), or a torch IterableDataset whose every copy yields
+            the whole stream in the same order on every rank (do not split it by rank or worker yourself).
+        batch_size: samples per rank per batch, from 1 to len(dataset) // size.
+        shuffle: a new order every epoch (default True); False keeps the dataset's order. A stream keeps
+            its own order (shuffle it in the stream, by epoch through set_epoch).
+        seed: the seed of the epoch order (default 0); the same on every rank.
+        drop_last: drop the last, partial global batch of each epoch (default False: split it evenly).
+        transform: a stream's function applied to each of this rank's elements after the split, in the
+            loader workers (decoding, augmentation: the elements of other ranks are never transformed);
+            default None. A map-style dataset transforms in its __getitem__ (it reads only this rank's).
+        loader_kwargs: passed to torch.utils.data.DataLoader (num_workers, collate_fn, pin_memory...), but
+            not batch_size, shuffle or sampler; `generator` defaults to one seeded with seed + rank. A stream
+            refuses persistent_workers=True (the workers would keep the first epoch's position).
+
+    Returns:
+        A DataLoader whose batch_sampler is a ShardSampler; for a stream, one that yields this rank's
+        collated batches (its len() is known when the dataset has a len()).
+
+    Raises:
+        ConfigError: batch_size < 1, fewer samples than ranks, or batch_size larger than each rank's share;
+            a map-style dataset without len(); `transform` with a map-style dataset; persistent_workers with
+            a stream. For a stream the sample counts are checked as it is read, on every rank.
+    """
+    w = world() if hvd.is_initialized() else init()
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return _stream(dataset, StreamSplit(batch_size=batch_size, rank=w.rank, size=w.size, drop_last=drop_last),
+                       transform, seed, loader_kwargs)
+    if transform is not None:
+        raise ConfigError("shard(transform=...) is for a stream (a torch IterableDataset); a map-style dataset "
+                          "transforms in its __getitem__, which reads only this rank's samples")
+    try:
+        len(dataset)
+    except TypeError:
+        raise ConfigError(f"shard() needs len(dataset) for a map-style dataset; {type(dataset).__name__} has "
+                          f"none: give it a __len__, or make it a torch.utils.data.IterableDataset (a stream)",
+                          rank=w.rank) from None
+    plan = ShardPlan(n=len(dataset), batch_size=batch_size, rank=w.rank, size=w.size, seed=seed,
+                     shuffle=shuffle, drop_last=drop_last)
+    # Its own generator: a DataLoader otherwise draws from the global RNG at every epoch start, which
+    # would make a resumed run's dropout masks differ from an uninterrupted one's.
+    loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed + w.rank))
+    return _ShardLoader(dataset, batch_sampler=ShardSampler(plan), **loader_kwargs)
+
+
+class _ShardLoader(torch.utils.data.DataLoader):
+    """shard()'s DataLoader: as it hands out each batch it tells prepare()'s gradient hooks which one it is
+    (_Batch), so that an epoch's uneven last step is weighted exactly. Workers prefetch ahead; what the
+    loop receives is the batch it trains on."""
+
+    def __iter__(self):
+        yield from _handing_out(self.batch_sampler, enumerate(super().__iter__()))
+
+    def set_position(self, epoch: int, step: int = 0) -> None:
+        """Make the next iteration run `epoch` from batch `step` (load_checkpoint calls it)."""
+        self.batch_sampler.set_position(epoch, step)

@@ -1,0 +1,142 @@
+"""Elastic training: ElasticState (model, optimizer, data position and extras kept across a lost or added
+worker) and elastic_run, Horovod's reset loop."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+
+from hvdp import _horovod
+from hvdp.core.errors import ConfigError
+from hvdp.core.scaling import lr_multiplier
+from hvdp.torch.checkpoint import _ARRAYS, _into
+from hvdp.torch.data import ShardSampler
+from hvdp.torch.optimizer import _rescale_groups
+from hvdp.torch.runtime import _plain, hvd
+from hvdp.torch.streams import _StreamLoader
+
+from horovod.common.elastic import ObjectState  # noqa: E402,I001  (after runtime's import_horovod: its clear error)
+
+
+class ElasticState(ObjectState):
+    """What an elastic job keeps across a lost or added worker: model, optimizer, data position, extras.
+
+        state = hvdp_torch.ElasticState(model, optimizer, loader, best=0.0)
+
+        @hvdp_torch.elastic_run
+        def train(state):
+            while state.epoch < epochs:
+                for x, y in loader:           # resumes mid-epoch after a reset
+                    ...; optimizer.step()
+                    state.commit()            # or every few steps: a failure rolls back to the last commit
+
+    `optimizer` comes from prepare() and `loader` from shard(). Each optimizer step records the batches
+    it trained on, so a commit holds the exact offset into the epoch's order; after a reset the ranks there
+    are then split the rest of the epoch, and no sample is skipped or seen twice. sync() (run by
+    elastic_run after every reset) broadcasts everything from rank 0 and rescales the learning rate to the
+    new world size by the rule given to prepare().
+
+    Args:
+        model: the module being trained.
+        optimizer: the optimizer prepare() returned.
+        loader: the DataLoader shard() returned.
+        extra: further values to keep and sync, read and set as attributes (state.best); not `epoch`.
+
+    Raises:
+        ConfigError: `optimizer` is not from prepare(), `loader` not from shard(), or `extra` has `epoch`.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 loader: torch.utils.data.DataLoader, **extra: Any):
+        model = _plain(model)
+        schedule = getattr(optimizer, "hvdp_schedule", None)
+        sampler = getattr(loader, "batch_sampler", None)
+        if schedule is None:
+            raise ConfigError("ElasticState needs the optimizer returned by hvdp.torch.prepare()")
+        if isinstance(loader, _StreamLoader):
+            raise ConfigError("ElasticState needs a map-style dataset: shard() of a stream (an IterableDataset) "
+                              "cannot be split again among a changed number of ranks mid-epoch")
+        if not isinstance(sampler, ShardSampler):
+            raise ConfigError("ElasticState needs the DataLoader returned by hvdp.torch.shard()")
+        if "epoch" in extra:
+            raise ConfigError("`epoch` is kept by ElasticState itself (state.epoch, from the data position); "
+                              "leave it out of the extras")
+        self.model, self.optimizer, self.sampler = model, optimizer, sampler
+        schedule.on_step = sampler.record_steps
+        self._snapshot = self._take()
+        super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, root_rank=0, name="hvdp.elastic"),
+                         get_rank=hvd.rank, **extra)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch training is in (or starts next): the loop condition of an elastic training function."""
+        return self.sampler.position()[0]
+
+    def _take(self) -> dict:
+        s = self.optimizer.hvdp_schedule
+        return {"model": copy.deepcopy(self.model.state_dict()),
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "schedule": (s.step, s.multiplier), "position": self.sampler.position()}
+
+    def save(self) -> None:
+        """Snapshot model, optimizer, schedule and data position in memory (state.commit() calls it)."""
+        self._snapshot = self._take()
+        super().save()
+
+    def restore(self) -> None:
+        """Roll model, optimizer, schedule and data position back to the last save(); Horovod calls it."""
+        snap = self._snapshot
+        self.model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        s = self.optimizer.hvdp_schedule
+        s.step, s.multiplier = snap["schedule"]
+        s.depth, s.saved = 0, ()  # a step that raised never ran its post-step hook
+        self.sampler.resume(*snap["position"])
+        super().restore()
+
+    def reset(self) -> None:
+        """Make the loader's next iteration start where training is (Horovod calls it after a reset)."""
+        # After a reset the next iteration starts where training is, not at the next epoch.
+        self.sampler.resume(*self.sampler.position())
+
+    def sync(self) -> None:
+        """Broadcast model, optimizer state, schedule and data position from rank 0; rescale the LR.
+
+        The learning rate is rescaled for the new world size by prepare()'s rule. elastic_run calls it
+        after every reset; every rank must call it.
+        """
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        # The whole optimizer state as one tree: a worker that just joined has none yet, and Horovod's
+        # broadcast_optimizer_state would make it take a zero-gradient step to create it.
+        # Streamed (see _horovod.broadcast_tree): an optimizer state of any size, received in place where
+        # this rank already has it.
+        s = self.optimizer.hvdp_schedule
+        synced = _horovod.broadcast_tree(
+            hvd, _ARRAYS, {"optimizer": self.optimizer.state_dict(), "schedule": (s.step, s.multiplier),
+                           "position": self.sampler.position()},
+            name="hvdp.elastic.sync", into=_into(None, self.optimizer))
+        opt_state, (step, multiplier), position = synced["optimizer"], synced["schedule"], synced["position"]
+        self.optimizer.load_state_dict(opt_state)
+        s.multiplier = lr_multiplier(s.rule, hvd.size(), backward_passes_per_step=s.passes, op=s.op)
+        _rescale_groups(self.optimizer, multiplier, s.multiplier)
+        s.step = step
+        self.sampler.resume(*position)
+        super().sync()
+        self._snapshot = self._take()  # what a failure before the next commit rolls back to
+
+
+def elastic_run(train: Callable) -> Callable:
+    """Horovod's elastic loop around `train(state, ...)`: on a lost worker, roll back to the last commit,
+    re-form the world with the survivors (and any host that was added), sync from rank 0, and call again.
+
+    Use it as a decorator; every rank must call the decorated function, with an ElasticState first.
+
+    Args:
+        train: the training function, train(state, ...); it returns when training is done.
+
+    Returns:
+        The wrapped function (Horovod's hvd.elastic.run).
+    """
+    return hvd.elastic.run(train)

@@ -1,0 +1,51 @@
+"""Which of shard()'s batches is being trained on, and its gradient weight: the link between the loaders
+(data.py, streams.py) and prepare()'s gradient hooks (optimizer.py), so that an epoch's uneven last step is exact."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class _Batch:
+    """The batch of shard()'s loader being trained on, for prepare()'s gradient hooks.
+
+    Ranks average their mean gradients with equal weights, which is one process's step on the union batch
+    only when every batch is full. At an epoch's end (a partial last global batch, split unevenly or topped
+    up; a last step with fewer than k accumulated batches) each batch's gradient is multiplied by
+    ShardPlan.gradient_weight(), so that the step is exactly the one process's mean over its samples.
+    The loader sets `sampler` and `index` as it hands out each batch; the hooks ask for the factor.
+    """
+
+    sampler = None  # the ShardSampler (or a stream's _StreamSteps) of the batch handed out last, or None
+    index = 0       # that batch's index in the sampler's iteration
+    lookahead = 1   # the largest backward_passes_per_step prepared: how far a stream's loader reads ahead
+    _cached: tuple = (None, -1, 0, 1.0)
+
+    @classmethod
+    def factor(cls, passes: int) -> float:
+        if cls.sampler is None:
+            return 1.0
+        key = (cls.sampler, cls.index, passes)
+        if cls._cached[:3] != key:  # once per batch, not once per parameter
+            cls._cached = (*key, cls.sampler.gradient_weight(cls.index, passes))
+        return cls._cached[3]
+
+
+def _gradient_hook(passes: int) -> Callable:
+    def hook(grad):
+        weight = _Batch.factor(passes)
+        if weight == 1.0:
+            return grad / passes if passes > 1 else None  # None: the gradient as it is
+        return grad * (weight / passes)
+    return hook
+
+
+def _handing_out(sampler, batches):
+    """Yield each (index, batch)'s batch, telling prepare()'s gradient hooks which one it is (_Batch)."""
+    try:
+        for index, batch in batches:
+            _Batch.sampler, _Batch.index = sampler, index
+            yield batch
+    finally:
+        if _Batch.sampler is sampler:
+            _Batch.sampler = None
