@@ -41,6 +41,7 @@ from hvdp.tensorflow import (  # noqa: F401  (the shared implementation, re-expo
     log,
     save_checkpoint,
 )
+from hvdp.tensorflow.data import _position, _shard
 
 
 def init(*, timeline: str | None = None, device: str | None = None, share_gpus: bool | None = None) -> World:
@@ -96,9 +97,9 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
     Raises:
         ConfigError: see hvdp.tensorflow.shard (empty or infinite data, a batch size that does not fit).
     """
-    dataset = _tf._shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, map=map,
-                         num_parallel_calls=num_parallel_calls, weights=sample_weights, passes=1,
-                         finish=_as_sample_weights if sample_weights else None)
+    dataset = _shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, map=map,
+                     num_parallel_calls=num_parallel_calls, weights=sample_weights, passes=1,
+                     finish=_as_sample_weights if sample_weights else None)
     position = dataset.hvdp_position
     # Keras needs the number of batches to show progress and to end each epoch.
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(position.plan.steps_per_epoch))
@@ -167,7 +168,7 @@ class DistributedCallback(keras.callbacks.Callback):
                  average_metrics: bool = True):
         super().__init__()
         if data is not None:
-            _tf._position(data)  # fail now, not after the first epoch, if it is not a shard
+            _position(data)  # fail now, not after the first epoch, if it is not a shard
         ckpt.check_keep(keep)
         self.data = data
         self.checkpoint_dir = checkpoint_dir

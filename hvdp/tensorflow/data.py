@@ -1,0 +1,200 @@
+"""hvdp.tensorflow's data sharding: shard() and its ShardPosition (each rank's batches of a tf.data pipeline,
+a new order every epoch)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from hvdp.core.errors import ConfigError
+from hvdp.core.records import RecordIndex, RecordReader
+from hvdp.core.sharding import ShardPlan
+from hvdp.tensorflow.runtime import _ensure_init
+
+
+class ShardPosition:
+    """Where a shard's next iteration starts: `epoch` and the batch `step` within it.
+
+    Each iteration of the dataset takes the current position and moves to the start of the next epoch,
+    so the order advances by itself; set() moves it (resume, or hvdp.keras following fit's epoch).
+
+    Args:
+        plan: the hvdp.core.sharding.ShardPlan of this rank (the `plan` attribute).
+        passes: the backward passes per optimizer step that shard(weights=True)'s gradient weights assume
+            (the `passes` attribute, default 1; hvdp.keras.callbacks sets it from the optimizer).
+    """
+
+    def __init__(self, plan: ShardPlan, passes: int = 1):
+        self.plan = plan
+        self.epoch = 0
+        self.step = 0
+        self.passes = passes  # backward passes per optimizer step that the gradient weights assume
+
+    def set(self, epoch: int, step: int = 0) -> None:
+        """Make the next iteration run `epoch` from batch `step` (default 0: the epoch's start)."""
+        self.epoch, self.step = int(epoch), int(step)
+
+    def _begin(self) -> tuple[int, int]:
+        epoch, step = self.epoch, self.step
+        self.epoch, self.step = epoch + 1, 0
+        return epoch, step
+
+
+def _as_arrays(data) -> tuple[np.ndarray, ...]:
+    if isinstance(data, tf.data.Dataset):
+        if data.cardinality() == tf.data.INFINITE_CARDINALITY:
+            raise ConfigError("shard() needs a finite dataset of samples (not batches, not repeated): its "
+                              "samples are indexed by the epoch order; remove .repeat()")
+        # Random access by index is what makes the order exact: read the (unbatched) samples once.
+        items = list(data.as_numpy_iterator())
+        if not items:
+            raise ConfigError("shard() got an empty dataset")
+        first = items[0]
+        if isinstance(first, tuple):
+            return tuple(np.stack([it[j] for it in items]) for j in range(len(first)))
+        return (np.stack(items),)
+    if isinstance(data, (tuple, list)):
+        arrays = tuple(np.asarray(a) for a in data)
+    else:
+        arrays = (np.asarray(data),)
+    lengths = {len(a) for a in arrays}
+    if len(lengths) != 1:
+        raise ConfigError(f"shard() got arrays of different lengths {[len(a) for a in arrays]}; "
+                          f"inputs and labels need one entry per sample")
+    return arrays
+
+
+def _gatherer(arrays):
+    """A tf.data function from a batch of sample numbers to the tuple of those rows of `arrays`."""
+    columns = tuple(tf.convert_to_tensor(a) for a in arrays)  # captured by reference, not in the graph
+
+    def gather(idx):
+        return tuple(tf.gather(c, idx) for c in columns)
+    return gather
+
+
+def _record_reader(index: RecordIndex):
+    """A tf.data function from a batch of record numbers to the 1-tuple of their serialized records."""
+    local = threading.local()  # a reader (its open files) per tf.data thread
+
+    def read(idx):
+        reader = getattr(local, "reader", None)
+        if reader is None:
+            reader = local.reader = RecordReader(index)
+        return np.array(reader.read(idx.numpy()), dtype=object)
+
+    def records(idx):
+        out = tf.py_function(read, [idx], tf.string)
+        out.set_shape([None])
+        return (out,)
+    return records
+
+
+def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+          map=None, num_parallel_calls: int = tf.data.AUTOTUNE, weights: bool = False,
+          backward_passes_per_step: int = 1) -> tf.data.Dataset:
+    """A tf.data.Dataset of this rank's batches of `data`; `batch_size` is per rank.
+
+    `data` is an array, a tuple of arrays (x, y), a finite tf.data.Dataset of samples (read into memory
+    once), or what indexes a dataset too large for memory: file paths (with their labels), or the records
+    of TFRecord files (index_records(files)). The epoch order depends only on (seed, epoch), never on
+    TensorFlow's global seed; ranks get disjoint slices of each global batch, so N ranks with batch b see at every step
+    exactly what one process with batch N*b sees. `map` (decode, augment) runs on each of this rank's
+    samples after the split, in parallel and in order, before batching: the pipeline stays tf.data's own
+    (no Python per sample), and the returned dataset keeps its `hvdp_position` (a ShardPosition) that says
+    and sets where the next iteration starts; transforming the dataset afterwards (.map returns a new
+    one) loses it. Each iteration is the next epoch (no set_epoch to forget). Calls init() if needed.
+
+    Args:
+        data: the samples, as above; every rank passes the same.
+        batch_size: samples per rank per batch, from 1 to len(data) // size.
+        shuffle: a new order every epoch (default True).
+        seed: the seed of the epoch order (default 0).
+        drop_last: drop the last, partial global batch of each epoch (default False: split it evenly).
+        map: a function of one sample (its arrays' elements as arguments: map(path, label)) returning the
+            sample to batch, in TensorFlow ops (default None: the samples as they are).
+        num_parallel_calls: samples that `map` processes at once (default tf.data.AUTOTUNE).
+        weights: add each sample's gradient weight as the batch's last element, a float32 vector (default
+            False): 1.0 in every step of whole batches; in an epoch's last, partial step the factor that
+            makes the ranks' averaged gradient one process's mean over that step's samples
+            (ShardPlan.gradient_weight); 0.0 for a sample that only tops a batch up. Weight the per-sample
+            loss with it (`loss_fn(y, p, sample_weight=w)`, a mean over the batch); hvdp.keras.shard
+            passes it to fit as the sample weight.
+        backward_passes_per_step: the k of DistributedOptimizer the weights assume (default 1): k batches
+            make a step, grouped from the epoch's start; call its flush() after the epoch for the short
+            last group.
+
+    Returns:
+        A tf.data.Dataset of batches: tuples of batched arrays, one per input array, or what `map` returns,
+        batched; with `weights`, one more element at the end.
+
+    Raises:
+        ConfigError: an infinite (repeated) or empty dataset, arrays of different lengths, batch_size < 1,
+            fewer samples than ranks, batch_size larger than each rank's share, `map` not callable, or
+            backward_passes_per_step not an integer >= 1.
+    """
+    return _shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, map=map,
+                  num_parallel_calls=num_parallel_calls, weights=weights, passes=backward_passes_per_step)
+
+
+def _shard(data, *, batch_size, shuffle, seed, drop_last, map, num_parallel_calls, weights, passes,
+           finish=None) -> tf.data.Dataset:
+    """shard(); `finish`, a function of a batch's elements, runs on each batch before the prefetch."""
+    w = _ensure_init()
+    if map is not None and not callable(map):
+        raise ConfigError(f"shard(map=...) takes a function of one sample, got {type(map).__name__}")
+    if not isinstance(passes, int) or passes < 1:
+        raise ConfigError(f"shard(backward_passes_per_step=...) must be an integer >= 1, got {passes!r}")
+    if isinstance(data, RecordIndex):
+        n, samples = len(data), _record_reader(data)
+    else:
+        arrays = _as_arrays(data)
+        n, samples = len(arrays[0]), _gatherer(arrays)
+        del arrays
+    plan = ShardPlan(n=n, batch_size=batch_size, rank=w.rank, size=w.size, seed=seed, shuffle=shuffle,
+                     drop_last=drop_last)
+    position = ShardPosition(plan, passes)
+
+    def epoch_indices():
+        # One Python call per epoch: the rest is tf.data's. Every batch but the last of an epoch has
+        # batch_size samples, so batching the rank's index stream again gives back its batches.
+        epoch, start = position._begin()
+        batches = list(plan.batches(epoch, start))
+        idx = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+        if not weights:
+            yield idx
+            return
+        # Steps counted from the epoch's start (offset 0), so a resumed epoch groups its passes as before.
+        yield idx, np.concatenate([np.full(len(b), plan.gradient_weight(start + i, 0, position.passes), np.float32)
+                                   for i, b in enumerate(batches)] or [np.zeros(0, np.float32)])
+
+    signature = tf.TensorSpec([None], tf.int64)
+    if weights:
+        signature = (signature, tf.TensorSpec([None], tf.float32))
+    dataset = tf.data.Dataset.from_generator(epoch_indices, output_signature=signature)
+    dataset = dataset.unbatch().batch(batch_size)
+    dataset = dataset.map((lambda idx, wb: (*samples(idx), wb)) if weights else samples,
+                          num_parallel_calls=num_parallel_calls, deterministic=True)
+    if map is not None:
+        user = map
+        if weights:  # the user's function sees the sample only; the weight rides along after it
+            def user(*element):
+                out = map(*element[:-1])
+                return (*out, element[-1]) if isinstance(out, tuple) else (out, element[-1])
+        dataset = dataset.unbatch().map(user, num_parallel_calls=num_parallel_calls,
+                                        deterministic=True).batch(batch_size)
+    if finish is not None:
+        dataset = dataset.map(finish, num_parallel_calls=num_parallel_calls, deterministic=True)
+    dataset = dataset.prefetch(tf.data.AUTOTUNE)
+    dataset.hvdp_position = position
+    return dataset
+
+
+def _position(dataset) -> ShardPosition:
+    position = getattr(dataset, "hvdp_position", None)
+    if position is None:
+        raise ConfigError("the dataset was not made by hvdp's shard() (or was transformed after it: .map() "
+                          "returns a new dataset); pass the dataset shard() returned")
+    return position

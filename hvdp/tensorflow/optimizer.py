@@ -1,0 +1,306 @@
+"""hvdp.tensorflow's optimizer: DistributedOptimizer (LR scaling, warmup, all-reduce, k-pass accumulation),
+ScaledSchedule and scale_learning_rate."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import keras
+
+from hvdp.core.errors import ConfigError
+from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
+from hvdp.tensorflow.gradients import _check_compression, allreduce_gradients
+from hvdp.tensorflow.runtime import _ensure_init
+
+
+@keras.saving.register_keras_serializable(package="hvdp")
+class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """base(step) x multiplier x warmup factor, the factors computed by hvdp.core.scaling.warmup_factor.
+
+    `step` counts optimizer steps (not backward passes). Serialisable (model.save / load_model).
+
+    Args:
+        base: the base rate, a float or another LearningRateSchedule.
+        multiplier: hvdp.core.scaling.lr_multiplier's result.
+        warmup_steps: optimizer steps over which the rate ramps from base(step) to base(step) * multiplier
+            (default 0: no warmup).
+    """
+
+    def __init__(self, base, multiplier: float, warmup_steps: int = 0):
+        self.base = base
+        self.multiplier = float(multiplier)
+        self.warmup_steps = int(warmup_steps)
+        # The ramp as a table: the core's pure function evaluated once per step, looked up in the graph.
+        self._factors = [warmup_factor(s, self.warmup_steps, self.multiplier) for s in range(self.warmup_steps + 1)]
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.int64)
+        base = self.base(step) if callable(self.base) else self.base
+        factor = tf.gather(tf.constant(self._factors, tf.float32), tf.minimum(step, self.warmup_steps))
+        return tf.cast(base, tf.float32) * (self.multiplier * factor)
+
+    def get_config(self):
+        """Keras serialisation: {"base" (serialised if a schedule), "multiplier", "warmup_steps"}."""
+        base = keras.saving.serialize_keras_object(self.base) if callable(self.base) else self.base
+        return {"base": base, "multiplier": self.multiplier, "warmup_steps": self.warmup_steps}
+
+    @classmethod
+    def from_config(cls, config):
+        """Rebuild a ScaledSchedule from get_config()'s `config`."""
+        base = config["base"]
+        if isinstance(base, dict):
+            base = keras.saving.deserialize_keras_object(base)
+        return cls(base, config["multiplier"], config["warmup_steps"])
+
+
+def _rate_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    # A LossScaleOptimizer's own rate variable is a 0.0 placeholder: the rate that trains is its inner one's.
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def scale_learning_rate(optimizer: keras.optimizers.Optimizer, multiplier: float, warmup_steps: int = 0) -> None:
+    """Scale `optimizer`'s learning rate in place by `multiplier`, ramping from the base rate over
+    `warmup_steps` optimizer steps. A float rate stays a (settable) variable when there is no warmup.
+
+    For a LossScaleOptimizer, the rate of the optimizer it wraps is scaled. A LearningRateSchedule, or a
+    float with warmup, becomes a ScaledSchedule. DistributedOptimizer already
+    does this; call it yourself only with a plain optimizer (e.g. after DistributedGradientTape).
+
+    Args:
+        optimizer: a Keras 3 optimizer whose rate is a float or a LearningRateSchedule.
+        multiplier: hvdp.core.scaling.lr_multiplier's result.
+        warmup_steps: the ramp's length in optimizer steps (default 0: no warmup).
+
+    Raises:
+        ConfigError: the optimizer's learning_rate is a plain callable (not a LearningRateSchedule).
+    """
+    optimizer = _rate_owner(optimizer)
+    base = optimizer._learning_rate
+    if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
+        optimizer.learning_rate = ScaledSchedule(base, multiplier, warmup_steps)
+    elif callable(base):
+        raise ConfigError("the optimizer's learning_rate is a plain callable; give it a float or a "
+                          "keras.optimizers.schedules.LearningRateSchedule so hvdp can scale it")
+    else:
+        rate = float(keras.ops.convert_to_numpy(base))
+        if warmup_steps and multiplier != 1.0:
+            optimizer.learning_rate = ScaledSchedule(rate, multiplier, warmup_steps)
+        else:
+            optimizer.learning_rate = rate * multiplier
+
+
+def _rescale_learning_rate(optimizer: keras.optimizers.Optimizer, old_multiplier: float,
+                           new_multiplier: float) -> None:
+    """Make a rate scaled for another world (base x old_multiplier) base x new_multiplier, in place: the
+    rate variable is reassigned; a ScaledSchedule is rebuilt with the new multiplier (its warmup ramp too)."""
+    if old_multiplier == new_multiplier:
+        return
+    optimizer = _rate_owner(optimizer)
+    lr = optimizer._learning_rate
+    if isinstance(lr, ScaledSchedule):  # holds the unscaled base and the multiplier apart
+        optimizer._learning_rate = ScaledSchedule(lr.base, new_multiplier, lr.warmup_steps)
+    elif isinstance(lr, keras.Variable):
+        lr.assign(rescale_lr(float(keras.ops.convert_to_numpy(lr)), old_multiplier, new_multiplier))
+
+
+@keras.saving.register_keras_serializable(package="hvdp")
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """A Keras 3 optimizer that averages gradients across ranks before the wrapped optimizer applies them.
+
+    - scales the wrapped optimizer's learning rate by the rule (hvdp.core.scaling: `linear` x N*k, `sqrt`,
+      `none`) and, with `warmup_steps`, ramps it from the base rate over that many optimizer steps;
+    - all-reduces (averages) the gradients with one grouped Horovod all-reduce inside apply(), which
+      model.fit and tf.function custom loops call inside their compiled step; `compression="fp16"` halves
+      the bytes on the wire;
+    - with `backward_passes_per_step=k`, accumulates k calls' gradients locally and, on every k-th call,
+      applies their average (all-reduced once): k passes of batch b equal one pass of batch k*b. The
+      wrapped optimizer's `iterations` counts optimizer steps, so Adam's bias correction and LR
+      schedules see the same steps as one process with the big batch.
+
+    Subclasses Keras's Optimizer only because model.compile requires one; everything is delegated to the
+    wrapped optimizer (the same shape as keras.optimizers.LossScaleOptimizer). Calls init() if Horovod is
+    not initialised yet. Serialisable (model.save / load_model) without scaling the rate twice. Gradients
+    are always averaged: there is no op="sum" or Adasum here.
+
+    Args:
+        optimizer: the Keras 3 optimizer to wrap, with the base learning rate (scaled in place).
+        lr_scaling: "linear" (default: x size*k), "sqrt" or "none".
+        warmup_steps: an integer >= 0: optimizer steps of the ramp from the base rate (default 0).
+        compression: "none" (default) or "fp16".
+        backward_passes_per_step: k, an integer >= 1 (default 1).
+        name: the optimizer's name (default "distributed_<wrapped name>").
+
+    Raises:
+        ConfigError: `optimizer` is not a Keras 3 optimizer or is already a DistributedOptimizer; an unknown
+            `lr_scaling` or `compression`; `backward_passes_per_step` or `warmup_steps` out of range; the
+            wrapped optimizer sets gradient_accumulation_steps; its learning_rate is a plain callable.
+    """
+
+    def __init__(self, optimizer: keras.optimizers.Optimizer, *, lr_scaling: str = "linear",
+                 warmup_steps: int = 0, compression: str = "none", backward_passes_per_step: int = 1,
+                 name: str | None = None, _scaled: bool = False):
+        if not isinstance(optimizer, keras.optimizers.Optimizer) or isinstance(optimizer, DistributedOptimizer):
+            raise ConfigError(f"DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.*), got "
+                              f"{type(optimizer).__name__}; do not wrap twice")
+        _check_compression(compression)
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ConfigError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            raise ConfigError("the wrapped optimizer has gradient_accumulation_steps set; use "
+                              "backward_passes_per_step of DistributedOptimizer instead (it all-reduces once "
+                              "per optimizer step)")
+        w = _ensure_init()
+        super().__init__(learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
+        self.inner_optimizer = optimizer
+        self.lr_scaling = lr_scaling
+        self.warmup_steps = warmup_steps
+        self.compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.multiplier = lr_multiplier(lr_scaling, w.size, backward_passes_per_step=backward_passes_per_step)
+        if not _scaled:
+            scale_learning_rate(optimizer, self.multiplier, warmup_steps)
+
+    def build(self, var_list):
+        """Build the wrapped optimizer's state (and the k-pass accumulators) for the variables `var_list`."""
+        if self.built:
+            return
+        var_list = list(var_list)
+        self.inner_optimizer.build(var_list)
+        if self.backward_passes_per_step > 1:
+            self._passes = self.add_variable(shape=(), dtype="int64", name="backward_passes")
+            self._accumulators = [self.add_variable_from_reference(v, name="hvdp_accumulator") for v in var_list]
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        """This optimizer's variables (the accumulation counter and accumulators), then the wrapped one's."""
+        return self._variables[:] + self.inner_optimizer.variables
+
+    def apply(self, grads, trainable_variables=None):
+        """Average `grads` across ranks and apply them with the wrapped optimizer (fit calls it each step).
+
+        With backward_passes_per_step=k, the gradients are summed locally and every k-th call applies
+        their average, all-reduced once. Every rank must call it, the same number of times.
+
+        Args:
+            grads: one gradient (or None) per variable.
+            trainable_variables: the variables, in the same order; needed on the first call, which builds
+                the optimizer (default None: the variables it was built with).
+
+        Raises:
+            ConfigError: the first call has no `trainable_variables`.
+        """
+        grads = list(grads)
+        if not self.built:
+            if trainable_variables is None:
+                raise ConfigError("DistributedOptimizer.apply needs trainable_variables on its first call")
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        k = self.backward_passes_per_step
+        if k == 1:
+            self.inner_optimizer.apply(allreduce_gradients(grads, compression=self.compression), variables)
+            return
+        index = [self._get_variable_index(v) for v in variables]
+        accs = [self._accumulators[i] for i in index]
+        self._no_gradient = {i for i, g in zip(index, grads) if g is None}  # for flush(); fixed when traced
+        summed = [None if g is None else a + tf.cast(g, a.dtype) for g, a in zip(grads, accs)]
+        passes = self._passes.assign_add(1)
+
+        def step():
+            averaged = allreduce_gradients([None if s is None else s / k for s in summed],
+                                           compression=self.compression)
+            self.inner_optimizer.apply(averaged, variables)
+            for a in accs:
+                a.assign(tf.zeros_like(a))
+            return tf.constant(True)
+
+        def accumulate():
+            for a, s in zip(accs, summed):
+                if s is not None:
+                    a.assign(s)
+            return tf.constant(False)
+
+        tf.cond(tf.equal(passes % k, 0), step, accumulate)
+
+    def flush(self) -> bool:
+        """Apply the passes accumulated since the last step as one step now: an epoch's short last step.
+
+        With backward_passes_per_step=k, an epoch of j*k + r batches leaves r passes accumulated; without
+        a flush they would join the next epoch's first step. The gradients of those r passes, weighted by
+        shard(weights=True, backward_passes_per_step=k), are all-reduced and applied here, so that step is
+        one process's mean over its samples; the next step's passes are counted from zero. Every rank must
+        call it, eagerly, after the epoch (hvdp.keras.callbacks does it at each epoch's end).
+
+        Returns:
+            Whether a step was applied (False with k == 1 or nothing accumulated).
+        """
+        k = self.backward_passes_per_step
+        if k == 1 or not self.built or int(self._passes.numpy()) % k == 0:
+            return False
+        skip = getattr(self, "_no_gradient", set())
+        summed = [None if i in skip else a / k for i, a in enumerate(self._accumulators)]
+        self.inner_optimizer.apply(allreduce_gradients(summed, compression=self.compression),
+                                   self._trainable_variables)
+        for a in self._accumulators:
+            a.assign(tf.zeros_like(a))
+        self._passes.assign(0)
+        return True
+
+    @property
+    def iterations(self):
+        """The wrapped optimizer's step counter: optimizer steps, not backward passes."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        """The wrapped optimizer's (scaled) learning rate; setting it sets the wrapped optimizer's."""
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        if hasattr(self, "inner_optimizer"):  # the base constructor sets its own (unused) rate first
+            self.inner_optimizer.learning_rate = value
+        else:
+            keras.optimizers.Optimizer.learning_rate.fset(self, value)
+
+    def scale_loss(self, loss):
+        """The wrapped optimizer's scale_loss(`loss`) (loss scaling for mixed precision)."""
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        """Delegated to the wrapped optimizer (e.g. EMA weights written into `var_list` at fit's end)."""
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
+        """Keras serialisation: the wrapped optimizer (holding the scaled rate) and the arguments."""
+        return {"name": self.name, "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                "lr_scaling": self.lr_scaling, "warmup_steps": self.warmup_steps,
+                "compression": self.compression, "backward_passes_per_step": self.backward_passes_per_step,
+                "multiplier": self.multiplier}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Rebuild from get_config()'s `config`, resolving `custom_objects`; the saved rate, scaled for the world it
+        was saved in, is rescaled to this world's multiplier."""
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
+        saved = config.pop("multiplier", None)  # absent in configs written before hvdp saved it
+        # The saved inner optimizer holds the rate scaled for the world it was saved in: rescale it to this one.
+        opt = cls(inner, _scaled=True, **config)
+        opt._saved_multiplier = opt.multiplier if saved is None else float(saved)
+        _rescale_learning_rate(inner, opt._saved_multiplier, opt.multiplier)
+        return opt
+
+    def load_own_variables(self, store):
+        """Keras serialisation: assign the saved variables from `store`, then rescale the restored rate.
+
+        keras.saving.load_model assigns the saved variables after from_config, the rate variable among them
+        (base x the saved world's multiplier), so the rate is rescaled to this world's multiplier again.
+        """
+        super().load_own_variables(store)
+        _rescale_learning_rate(self.inner_optimizer, getattr(self, "_saved_multiplier", self.multiplier),
+                               self.multiplier)
