@@ -16,10 +16,13 @@ test: setup
 test-fast:
 	$(PY) -m pytest -q tests/core
 
-# The in-flight collectives stress test at length: ITERATIONS per launch (about 1 s each at np=2).
+# The stress tests at length: the in-flight collectives, ITERATIONS per launch (about 1 s each at np=2), and
+# the DataLoader worker start-ups, EPOCHS per launch (about 4.5 start-ups per rank and 0.5 s per epoch at np=2).
 ITERATIONS ?= 1000
+EPOCHS ?= 400
 soak: setup
 	HVDP_SOAK_ITERATIONS=$(ITERATIONS) $(PY) -m pytest -q tests/torch/test_inflight.py
+	HVDP_SOAK_EPOCHS=$(EPOCHS) $(PY) -m pytest -q tests/torch/test_worker_starts.py
 
 train: setup
 	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) $(PY) examples/train_torch.py

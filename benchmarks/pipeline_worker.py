@@ -8,9 +8,14 @@ goes first alternates), with the same per-sample work (decode, random crop and f
 - tensorflow, hvdp: shard(index_records(files), map=parse), one pread per record, exact order;
 - tensorflow, hand: Horovod's recipe, the file list .shard(size, rank), interleave(TFRecordDataset),
   shuffle buffer, map(parse), batch, prefetch (not exact: ranks read other counts, the order is the buffer's);
-- torch, hvdp: shard(dataset, num_workers=2); torch, hand: DataLoader with DistributedSampler, 2 workers.
+- torch, hvdp: shard(dataset, num_workers=2) (workers started by forkserver once per run); torch, hand:
+  DataLoader with DistributedSampler, 2 workers (the platform's fork, every epoch); torch, hvdp-fork: shard()
+  as it was before issue 36 (fork, new workers every epoch); torch, hvdp-spawn: shard() with spawn workers,
+  kept for the run.
 
-Rank 0 prints `bench: {json}` with each implementation's samples/s per rank (the ranks' mean) per repetition.
+Rank 0 prints `bench: {json}` with each implementation's samples/s per rank (the ranks' mean) per repetition,
+and for PyTorch each epoch's start-up: seconds from the start of the epoch to its first batch (the ranks'
+mean), the warm-up epoch's (workers started for the first time) under "first_startup_s".
 """
 
 from __future__ import annotations
@@ -104,15 +109,27 @@ def _torch(directory: Path, batch: int, rank: int, size: int):
     import hvdp.torch as hvdp_torch
 
     dataset = _Images(directory)
-    hvdp_loader = hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2)
+    loaders = {"hvdp": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2),
+               "hvdp-fork": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2,
+                                             multiprocessing_context="fork", persistent_workers=False),
+               "hvdp-spawn": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2,
+                                              multiprocessing_context="spawn")}
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=size, rank=rank, seed=0)
-    hand_loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=2)
+    loaders["hand"] = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=2)
 
-    def hand(epoch):
-        sampler.set_epoch(epoch)
-        return sum(len(y) for _, y in hand_loader)
+    def reader(name):
+        def read(epoch):
+            if name == "hand":
+                sampler.set_epoch(epoch)
+            start, samples, startup = time.perf_counter(), 0, None
+            for _, y in loaders[name]:
+                if startup is None:
+                    startup = time.perf_counter() - start
+                samples += len(y)
+            return samples, startup
+        return read
 
-    return {"hvdp": lambda epoch: sum(len(y) for _, y in hvdp_loader), "hand": hand}
+    return {name: reader(name) for name in loaders}
 
 
 def main() -> None:
@@ -138,19 +155,30 @@ def main() -> None:
 
     impls = (_tensorflow if args.framework == "tensorflow" else _torch)(directory, args.batch, world.rank, world.size)
     rates: dict[str, list[float]] = {name: [] for name in impls}
+    startups: dict[str, list[float]] = {name: [] for name in impls}
+    first: dict[str, float] = {}
     for epoch in range(args.reps + 1):  # the first round warms up (file cache, workers, tf.data graphs)
         # ABBA: which implementation goes first alternates, so neither always follows the other's teardown
         for name, read_epoch in list(impls.items())[::1 if epoch % 2 else -1]:
             hvd.broadcast_object(0, name=f"bench.start.{epoch}.{name}")
             start = time.perf_counter()
             samples = read_epoch(epoch)
+            samples, startup = samples if isinstance(samples, tuple) else (samples, None)
             rate = samples / (time.perf_counter() - start)
-            mean = float(np.mean(hvd.allgather_object(rate, name=f"bench.rate.{epoch}.{name}")))
+            mean, startup = (float(np.mean(v)) if v[0] is not None else None for v in
+                             zip(*hvd.allgather_object((rate, startup), name=f"bench.rate.{epoch}.{name}")))
             if epoch:
                 rates[name].append(mean)
+                if startup is not None:
+                    startups[name].append(startup)
+            elif startup is not None:
+                first[name] = startup
     if world.rank == 0:
-        print("bench: " + json.dumps({"framework": args.framework, "np": world.size, "samples": args.samples,
-                                      "batch": args.batch, "samples_per_sec_per_rank": rates}), flush=True)
+        report = {"framework": args.framework, "np": world.size, "samples": args.samples, "batch": args.batch,
+                  "samples_per_sec_per_rank": rates}
+        if first:
+            report.update({"startup_s": startups, "first_startup_s": first})
+        print("bench: " + json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

@@ -62,14 +62,15 @@ def training_set(cfg, x: np.ndarray, y: np.ndarray, world) -> tuple[torch.utils.
         return torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), {}
     if world.is_main:  # hvdp: one rank writes the files, the others wait for them
         write_files(cfg.files, x, y, "npy")
-    hvdp_torch.hvd.barrier()
+    hvdp_torch.barrier()
     return SampleFiles(cfg.files), {"num_workers": 2}
 
 
 def train(cfg) -> dict:
     """Train and evaluate on every rank (every rank must call it); returns this rank's summary, with its
     rank and the digest of its final weights. Rank 0 also saves the model (--save-model)."""
-    world = hvdp_torch.init(timeline=cfg.timeline, device=cfg.device)  # hvdp: rank, size, its own GPU if any
+    # hvdp: rank, size, its own GPU if any; with a checkpoint directory, SIGTERM/SIGUSR1 (preemption) checkpoint
+    world = hvdp_torch.init(timeline=cfg.timeline, device=cfg.device, preemption=cfg.checkpoint_dir is not None)
     device = hvdp_torch.device()  # hvdp: this rank's GPU (cuda:local_rank) or the CPU
     torch.manual_seed(cfg.seed)
 
@@ -95,6 +96,11 @@ def train(cfg) -> dict:
         scheduler.load_state_dict(resumed["scheduler"])
         hvdp_torch.log(f"resumed from epoch {start_epoch} step {start_step} (optimizer step {global_step})")
 
+    def save(epoch: int, step: int, **extra) -> None:  # hvdp: rank 0 writes atomically, every rank calls
+        hvdp_torch.save_checkpoint(cfg.checkpoint_dir, model, optimizer, epoch=epoch, step=step,
+                                   global_step=global_step, keep=cfg.keep_checkpoints,
+                                   scheduler=scheduler.state_dict(), **extra)
+
     writer = None
     if cfg.logdir and world.is_main:  # hvdp: only rank 0 writes logs
         from torch.utils.tensorboard import SummaryWriter
@@ -106,19 +112,23 @@ def train(cfg) -> dict:
     samples, started = 0, time.perf_counter()
     for epoch in range(start_epoch, cfg.epochs):
         model.train()
-        epoch_loss, batches = 0.0, 0
         first = start_step if epoch == start_epoch else 0
+        # the mean loss over the ranks of a preempted epoch's first `first` batches, summed
+        epoch_loss, batches = (resumed.get("epoch_loss", 0.0), first) if first else (0.0, 0)
         for step, (x, y) in enumerate(hvdp_torch.progress(loader, desc=f"epoch {epoch}", leave=False), first):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             hvdp_torch.check_finite(loss, global_step)  # hvdp: NaN/inf on any rank stops all, naming it
             loss.backward()
+            epoch_loss, batches, samples = epoch_loss + loss.item(), batches + 1, samples + len(y)
             if (step + 1) % cfg.accumulate == 0 or step + 1 == len(loader):
                 optimizer.step()
                 optimizer.zero_grad()
                 scheduler.step()
                 global_step += 1
-            epoch_loss, batches, samples = epoch_loss + loss.item(), batches + 1, samples + len(y)
+                if hvdp_torch.preempted():  # hvdp: a stop signal on any rank: every rank stops after this step
+                    save(epoch, step + 1, epoch_loss=hvdp_torch.average(epoch_loss))
+                    hvdp_torch.exit_for_requeue()  # hvdp: exit 75, and the job script requeues the job
         train_loss = hvdp_torch.average(epoch_loss / max(batches, 1))  # hvdp: mean over ranks
         metrics = hvdp_torch.evaluate(model, test_set)  # hvdp: every test sample counted once
         elapsed = time.perf_counter() - started
@@ -129,10 +139,8 @@ def train(cfg) -> dict:
                                 ("accuracy/test", metrics["accuracy"]), ("lr", hvdp_torch.current_lr(optimizer)),
                                 ("samples_per_sec", samples * world.size / elapsed)):
                 writer.add_scalar(name, value, epoch)
-        if cfg.checkpoint_dir:  # hvdp: rank 0 writes atomically, every rank calls
-            hvdp_torch.save_checkpoint(cfg.checkpoint_dir, model, optimizer, epoch=epoch + 1, step=0,
-                                       global_step=global_step, keep=cfg.keep_checkpoints,
-                                       scheduler=scheduler.state_dict())
+        if cfg.checkpoint_dir:
+            save(epoch + 1, 0)
     seconds = time.perf_counter() - started
 
     hvdp_torch.check_consistency(model)  # hvdp: raises, naming rank and parameter, if replicas diverged

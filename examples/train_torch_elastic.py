@@ -52,8 +52,8 @@ def train(cfg, on_epoch=None) -> dict:
 
     @hvdp_torch.elastic_run  # hvdp: on a lost or added worker: roll back, re-form, sync, call again
     def run(state):
-        hvdp_torch.log(f"training on {hvdp_torch.hvd.size()} rank(s) from epoch {state.epoch}")
-        state.sizes.append(hvdp_torch.hvd.size())  # committed with the next commit
+        hvdp_torch.log(f"training on {hvdp_torch.world().size} rank(s) from epoch {state.epoch}")
+        state.sizes.append(hvdp_torch.world().size)  # committed with the next commit
         while state.epoch < cfg.epochs:
             epoch = state.epoch
             model.train()
@@ -61,23 +61,23 @@ def train(cfg, on_epoch=None) -> dict:
                 optimizer.zero_grad()
                 F.cross_entropy(model(x.to(device)), y.to(device)).backward()
                 optimizer.step()
-                state.samples += len(y) * hvdp_torch.hvd.size()
+                state.samples += len(y) * hvdp_torch.world().size
                 if step % COMMIT_EVERY == 0:
                     state.commit()  # hvdp: a failure rolls back to here
             state.commit()
             metrics = hvdp_torch.evaluate(model, test_set)
-            hvdp_torch.log(f"epoch {epoch}: test accuracy {metrics['accuracy']:.4f} on {hvdp_torch.hvd.size()} rank(s)")
+            hvdp_torch.log(f"epoch {epoch}: test accuracy {metrics['accuracy']:.4f} on {hvdp_torch.world().size} rank(s)")
             if on_epoch is not None:
-                on_epoch(epoch, hvdp_torch.hvd.rank(), hvdp_torch.hvd.size())
+                on_epoch(epoch, hvdp_torch.world().rank, hvdp_torch.world().size)
 
     started = time.perf_counter()
     run(state)
     seconds = time.perf_counter() - started
-    if hvdp_torch.hvd.size() > 1:
+    if hvdp_torch.world().size > 1:
         hvdp_torch.check_consistency(model)
     metrics = hvdp_torch.evaluate(model, test_set)
-    return summary(metrics, framework="torch", world_size=hvdp_torch.hvd.size(), epochs=cfg.epochs,
-                   samples=state.samples, seconds=seconds, rank=hvdp_torch.hvd.rank(), world_sizes=state.sizes,
+    return summary(metrics, framework="torch", world_size=hvdp_torch.world().size, epochs=cfg.epochs,
+                   samples=state.samples, seconds=seconds, rank=hvdp_torch.world().rank, world_sizes=state.sizes,
                    weights_sha256=digest(w.cpu().numpy() for w in model.state_dict().values()))
 
 

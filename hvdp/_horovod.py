@@ -9,16 +9,21 @@ import importlib
 import os
 import secrets
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from hvdp import _workers
 from hvdp.core import checkpoint as ckpt
+from hvdp.core import errors as _errors
+from hvdp.core.consistency import failure, settings_mismatch
 from hvdp.core.cpus import cpu_share, threads_per_rank
 from hvdp.core.devices import DeviceRequest, gpu_index, shared_gpus, sharing_error
 from hvdp.core.errors import CheckpointError, ConfigError, SetupError
 from hvdp.core.tuning import apply_runtime_defaults, check_shm_settings
-from hvdp.core.watchdog import Watchdog, open_socket
+from hvdp.core.watchdog import EXIT_CODE as WATCHDOG_EXIT_CODE
+from hvdp.core.watchdog import Collectives, Watchdog, open_socket
 from hvdp.core.watchdog import settings as watchdog_settings
 from hvdp.core.world import World, detect_launcher, elastic
 
@@ -40,6 +45,9 @@ def import_horovod(framework: str):
 def init(framework: str, timeline: str | None = None):
     """hvd.init() for `framework`; returns (horovod module, World). Safe to call twice.
 
+    Collective the first time (the watchdog's address exchange, the CPU count); a later call in the same
+    world runs no collective, so one rank alone may call it again.
+
     `timeline` starts Horovod's timeline (a Chrome trace of every collective) written by rank 0 there.
     """
     hvd = import_horovod(framework)
@@ -49,19 +57,25 @@ def init(framework: str, timeline: str | None = None):
             f"launched by {launcher}, but this Horovod was built without MPI: rebuild it with "
             f"HOROVOD_WITH_MPI=1 (`make setup` does) or launch with `horovodrun --gloo`")
     if not hvd.is_initialized():
+        _workers.refuse_helper_import(f"hvdp.{framework}.init()")  # a worker re-importing the script: no Horovod
         check_shm_settings()
         apply_runtime_defaults()  # before MPI_Init / Horovod's background thread read them
         hvd.init()
+        _workers.note_init_site(f"hvdp.{framework}.init()")
+    _workers.guard_forks()  # Horovod's threads run from here on: warn once at a fork
     if timeline:
         hvd.start_timeline(timeline, mark_cycles=False)
     world = World.from_horovod(hvd)
-    _start_watchdog(hvd, world)
-    global _threads
-    _threads = _thread_share(hvd, world)
+    global _threads, _ready
+    if _ready != (world.rank, world.size):  # a later call in the same world gathers nothing: no collective
+        _start_watchdog(hvd, world)
+        _threads = _thread_share(hvd, world)
+        _ready = (world.rank, world.size)
     return hvd, world
 
 
 _threads = 1
+_ready: tuple[int, int] | None = None  # (rank, size) of the world init() last set up
 
 
 def threads() -> int:
@@ -72,15 +86,14 @@ def threads() -> int:
 def _thread_share(hvd, world: World) -> int:
     # Collective (every rank calls init): each rank's affinity and cgroup quota, so that ranks bound to
     # disjoint cores keep theirs and ranks sharing cores or a quota split them (hvdp.core.cpus).
-    mine = cpu_share()
-    if world.size == 1:
-        return threads_per_rank(mine, [mine])
-    if elastic():
-        # Not a collective here: a worker that joins a running elastic job calls init() alone (the others
-        # are already training), so it would wait forever. Assume the local ranks share this rank's CPUs.
-        return threads_per_rank(mine, [mine] * world.local_size)
+    if world.size == 1 or elastic():
+        # Under elastic not a collective: a worker that joins a running elastic job calls init() alone (the
+        # others are already training), so it would wait forever. Assume the local ranks share its CPUs.
+        mine = cpu_share()
+        return threads_per_rank(mine, [mine] * (world.local_size if elastic() else 1))
     host = socket.gethostname()
-    everyone = hvd.allgather_object((host, mine), name="hvdp.cpus")
+    everyone = gather_or_raise(hvd, lambda: (host, cpu_share()), name="hvdp.cpus", operation="init()'s CPU count")
+    mine = everyone[world.rank][1]
     return threads_per_rank(mine, [share for h, share in everyone if h == host])
 
 
@@ -92,31 +105,109 @@ def place(hvd, world: World, req: DeviceRequest, visible: int, gpu_id: Callable[
     (NCCL's "Duplicate GPU detected", or both out of memory) and a rank that cannot have the device it asked
     for are a ConfigError on every rank, naming them, instead of a hang or a crash on one.
     """
-    try:
+    mine: list = []
+
+    def choose():
         index = gpu_index(req, world.local_rank, visible)
-        mine, problem = (None if index is None else (socket.gethostname(), gpu_id(index))), None
-    except ConfigError as e:
-        index, mine, problem = None, None, str(e)
-    if world.size == 1 or elastic():
-        everyone = [(mine, problem)]
-    else:
-        everyone = hvd.allgather_object((mine, problem), name="hvdp.gpus")
-    failed = [(rank, p) for rank, (_, p) in enumerate(everyone) if p]
-    if failed:
-        raise ConfigError("; ".join(f"rank {rank}: {p}" for rank, p in failed), rank=world.rank)
-    message = None if req.share else sharing_error(shared_gpus([m for m, _ in everyone]), visible)
+        mine.append(index)
+        return None if index is None else (socket.gethostname(), gpu_id(index))
+
+    everyone = gather_or_raise(hvd, choose, name="hvdp.gpus", operation="init()'s device placement")
+    message = None if req.share else sharing_error(shared_gpus(everyone), visible)
     if message:
         raise ConfigError(message, rank=world.rank)
+    index = mine[0]
     return index
 
 
+def gather_or_raise(hvd, compute: Callable[[], Any], *, name: str, operation: str) -> list:
+    """Run `compute()` on this rank and all-gather the results: a list of every rank's, the same everywhere.
+
+    An exception in `compute` on any rank is raised on every rank after the all-gather, so no rank is left
+    waiting in a collective the failed one never reaches: the failed ranks' own hvdp error class when they all
+    raised the same one (ConfigError...), else RankError naming each failed rank and its exception (chained
+    on that rank). Every rank must call it, with the same `name`. In a world of size 1, or for a worker that
+    joins an elastic job alone, nothing is gathered: the list holds this rank's result only.
+
+    Args:
+        hvd: Horovod's framework module.
+        compute: this rank's part, called with no arguments; its result must pickle.
+        name: the all-gather's name in Horovod.
+        operation: what the ranks are doing, for the message (e.g. "hvdp.torch.evaluate").
+    """
+    try:
+        mine, problem = compute(), None
+    except Exception as e:  # noqa: BLE001 - whatever failed, every rank must hear of it
+        mine, problem, error = None, (type(e).__name__, str(e), isinstance(e, _errors.HvdpError)), e
+    if hvd.size() == 1 or elastic():
+        gathered = [(mine, problem)]
+    else:
+        gathered = hvd.allgather_object((mine, problem), name=name)
+    found = failure([p for _, p in gathered], operation=operation)
+    if found is None:
+        return [m for m, _ in gathered]
+    cls, message = found
+    if problem is not None and cls == type(error).__name__:
+        raise error  # this rank's own error, as it was; the others raise its message
+    raise getattr(_errors, cls, _errors.RankError)(message) from (error if problem is not None else None)
+
+
+def agree(hvd, settings: Callable[[], dict], *, call: str) -> None:
+    """Raise ConfigError on every rank, naming the rank and the value, unless every rank's `settings()` (a dict
+    of plain values: batch_size, seed, the data's length and fingerprint...) equals rank 0's. One small
+    all-gather; every rank must call it. An exception in `settings` on one rank is raised on every rank.
+
+    Args:
+        hvd: Horovod's framework module.
+        settings: this rank's settings, computed inside the check.
+        call: the call the settings were given to, as the message names it (e.g. "shard()").
+    """
+    problem = settings_mismatch(gather_or_raise(hvd, settings, name="hvdp.settings", operation=call), call=call)
+    if problem:
+        raise ConfigError(problem, rank=hvd.rank())
+
+
 _watchdog: Watchdog | None = None
+_collectives = Collectives()  # this rank's Horovod collectives in flight, kept by the adapter for the watchdog
 
 
 def progress(step: int, phase: str) -> None:
     """Tell the watchdog where this rank is (no-op without one)."""
     if _watchdog is not None:
         _watchdog.progress(step, phase)
+
+
+def collectives() -> Collectives | None:
+    """The registry of this rank's collectives the watchdog reads, for the adapter to keep (it wraps Horovod's
+    submit and wait functions); None when no watchdog runs (a world of 1, elastic, HVDP_WATCHDOG=0)."""
+    return _collectives if _watchdog is not None else None
+
+
+def enter(phase: str) -> str | None:
+    """Tell the watchdog that this rank now does `phase` (at the same step); returns what leave() restores.
+    A no-op returning None without a watchdog."""
+    return _watchdog.enter(phase) if _watchdog is not None else None
+
+
+def leave(before: str | None) -> None:
+    """Tell the watchdog that the phase enter() started is over (`before`: what enter() returned)."""
+    if before is not None and _watchdog is not None:
+        _watchdog.leave(before)
+
+
+def watched(items, phase: str):
+    """Yield from `items`, with the watchdog told `phase` while each next item is awaited (a DataLoader's
+    batch: a rank stuck there is then named as such), and the phase before it while the caller works."""
+    items = iter(items)
+    while True:
+        before = enter(phase)
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        finally:
+            leave(before)
+        yield item
 
 
 def _start_watchdog(hvd, world: World) -> None:
@@ -129,21 +220,50 @@ def _start_watchdog(hvd, world: World) -> None:
     enabled, timeout, elsewhere_timeout = watchdog_settings()
     if _watchdog is not None or not enabled or world.size == 1 or elastic():
         return  # an elastic job expects to lose ranks: Horovod's elastic driver handles that, not the watchdog
-    if world.local_size == world.size:
-        bind, addresses = "127.0.0.1", ["127.0.0.1"]
-    else:
-        addresses = _interface_addresses(os.environ.get("HVDP_WATCHDOG_IFACE") or os.environ.get("HOROVOD_GLOO_IFACE"))
-        bind = addresses[0] if len(addresses) == 1 else "0.0.0.0"
-    sock = open_socket(bind)
-    port = sock.getsockname()[1]
-    peers = hvd.allgather_object([(a, port) for a in addresses], name="hvdp.watchdog.peers")
+    opened = []
+
+    def listen():  # an error here (no address, no port) is raised on every rank, not left to hang the others
+        if world.local_size == world.size:
+            bind, addresses = "127.0.0.1", ["127.0.0.1"]
+        else:
+            addresses = _interface_addresses(os.environ.get("HVDP_WATCHDOG_IFACE")
+                                             or os.environ.get("HOROVOD_GLOO_IFACE"))
+            bind = addresses[0] if len(addresses) == 1 else "0.0.0.0"
+        opened.append(open_socket(bind))
+        return [(a, opened[0].getsockname()[1]) for a in addresses]
+
+    try:
+        peers = gather_or_raise(hvd, listen, name="hvdp.watchdog.peers", operation="init()'s watchdog set-up")
+    except Exception:
+        for s in opened:
+            s.close()
+        raise
+    sock = opened[0]
     # The heartbeats are signed with a per-job secret agreed through Horovod, so that no other process (or
     # other hvdp job on the host) can forge or confuse them.
     secret = hvd.broadcast_object(secrets.token_bytes(32) if world.rank == 0 else None, root_rank=0,
                                   name="hvdp.watchdog.secret")
-    _watchdog = Watchdog(world.rank, peers, sock, secret=secret, timeout=timeout,
-                         elsewhere_timeout=elsewhere_timeout).start()
+    _watchdog = Watchdog(world.rank, peers, sock, secret=secret, timeout=timeout, on_hang=_end_job,
+                         elsewhere_timeout=elsewhere_timeout, collectives=_collectives).start()
     atexit.register(_watchdog.stop)
+
+
+def _end_job(message: str) -> None:
+    """The watchdog's end of a hung job: print why, kill this rank's own child processes (DataLoader workers,
+    the forkserver: a stuck worker keeps the launcher's output pipe open, and horovodrun --gloo waits for it),
+    and exit with the watchdog's code so that the launcher tears the job down."""
+    print(message, file=sys.stderr, flush=True)
+    try:
+        import psutil  # a Horovod dependency
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+    except Exception:  # noqa: BLE001 - ending the job must not fail
+        pass
+    os._exit(WATCHDOG_EXIT_CODE)
 
 
 def _interface_addresses(iface: str | None) -> list[str]:
@@ -302,6 +422,10 @@ def read_checkpoint_on_root(hvd, directory, read, ops: ArrayOps, into: Callable 
             outcome = {"error": f"cannot read checkpoint {path or directory} on rank 0: {type(e).__name__}: {e}. "
                                 f"Check that it exists and is readable (another job pruning the same directory "
                                 f"deletes files while they are read)"}
+        except Exception as e:  # noqa: BLE001 - a malformed file (a missing entry), memory: every rank hears of it
+            outcome = {"error": f"cannot read checkpoint {path or directory} on rank 0: {type(e).__name__}: {e}. "
+                                f"The file is not a checkpoint this job can load; delete it to resume from an "
+                                f"older one"}
     outcome = broadcast_tree(hvd, ops, outcome, name="hvdp.load_checkpoint",
                              into=(lambda path, ref: into(path[1:], ref)) if into else None)
     if "error" in outcome:
@@ -327,7 +451,7 @@ def save_on_root(hvd, directory, name: str, write: Callable, keep: int):
             try:
                 ckpt.prune(directory, keep)
                 outcome = {"path": str(path)}
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it
                 outcome = {"error": f"wrote checkpoint {path} on rank 0, but could not delete the older ones "
                                     f"(keep={keep}): {type(e).__name__}: {e}"}
     outcome = hvd.broadcast_object(outcome, root_rank=0, name="hvdp.save_checkpoint")

@@ -13,12 +13,14 @@ The optimizer averages gradients inside the compiled train step (model.fit calls
 callbacks broadcast rank 0's initial state before the first step, make the data order follow fit's epoch,
 average the epoch metrics over ranks, write/resume checkpoints (rank 0, atomic) and keep the progress bar
 on rank 0. Every rank runs the same script and the same model.fit. DistributedOptimizer, ScaledSchedule,
-average, evaluate, check_consistency, save_checkpoint, load_checkpoint and log are hvdp.tensorflow's
-(documented there too); errors are hvdp.core.errors classes.
+average, barrier, broadcast, check_finite, evaluate, check_consistency, save_checkpoint, load_checkpoint and
+log are hvdp.tensorflow's (documented there too): a Keras script needs no other module. Errors are
+hvdp.core.errors classes.
 """
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import keras
@@ -33,7 +35,10 @@ from hvdp.tensorflow import (  # noqa: F401  (the shared implementation, re-expo
     DistributedOptimizer,
     ScaledSchedule,
     average,
+    barrier,
+    broadcast,
     check_consistency,
+    check_finite,
     evaluate,
     hvd,
     index_records,
@@ -42,6 +47,7 @@ from hvdp.tensorflow import (  # noqa: F401  (the shared implementation, re-expo
     save_checkpoint,
 )
 from hvdp.tensorflow.data import _position, _shard
+from hvdp.tensorflow.tracking import watched
 
 
 def init(*, timeline: str | None = None, device: str | None = None, share_gpus: bool | None = None) -> World:
@@ -76,6 +82,8 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
     batch N*b sees at every step the union of what N ranks see with batch b. Pass the dataset to
     callbacks(data=...) too: the order then follows fit's epoch number, so a resumed fit continues exactly.
     The dataset declares its number of batches (the steps per epoch), which fit's progress bar needs.
+    Every rank must call it, with the same data and settings: they are compared across the ranks, and a
+    mismatch (seed=rank, one file more) is a ConfigError on every rank (see hvdp.tensorflow.shard).
 
     Its batches are (x, y, sample_weight): the weights (hvdp.tensorflow.shard's `weights`) are 1.0 except in
     an epoch's last, partial step, where they make that step one process's step on the same samples
@@ -95,14 +103,15 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
             train_step that unpacks two elements (the last, partial step is then not weighted exactly).
 
     Raises:
-        ConfigError: see hvdp.tensorflow.shard (empty or infinite data, a batch size that does not fit).
+        ConfigError: see hvdp.tensorflow.shard (ranks with other data or settings, empty or infinite data, a
+            batch size that does not fit).
     """
     dataset = _shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, map=map,
                      num_parallel_calls=num_parallel_calls, weights=sample_weights, passes=1,
                      finish=_as_sample_weights if sample_weights else None)
     position = dataset.hvdp_position
     # Keras needs the number of batches to show progress and to end each epoch.
-    dataset = dataset.apply(tf.data.experimental.assert_cardinality(position.plan.steps_per_epoch))
+    dataset = watched(dataset.apply(tf.data.experimental.assert_cardinality(position.plan.steps_per_epoch)))
     dataset.hvdp_position = position
     return dataset
 
@@ -275,6 +284,35 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
             _RankZeroProgbar()]
 
 
+# SyncBatchNormalization calls traced so far in each graph (a tf.function's trace): their all-reduces' names.
+_SYNC_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _sync_sum(stats):
+    """The sum of `stats` over the ranks, differentiable (the gradient is the sum of the gradients).
+
+    Named explicitly, forward and backward: Horovod's default names derive from tensor names, which hold
+    Keras's per-process layer counters ("sync_batch_normalization_3"), so a rank that built one more layer or
+    model first would submit other names and the job would stall. Inside a tf.function the n-th call traced
+    is named n (the same layer on every rank: every rank traces the same model); eagerly each all-reduce
+    completes before the next starts, so one name serves them all.
+    """
+    if tf.executing_eagerly():
+        name = "hvdp_sync_batch_norm"
+    else:
+        graph = tf.compat.v1.get_default_graph()
+        index = _SYNC_CALLS.get(graph, 0)
+        _SYNC_CALLS[graph] = index + 1
+        name = f"hvdp_sync_batch_norm_{index}"
+
+    @tf.custom_gradient
+    def total(x):
+        def grad(upstream):
+            return hvd.allreduce(upstream, op=hvd.Sum, name=f"{name}_grad", ignore_name_scope=True)
+        return hvd.allreduce(x, op=hvd.Sum, name=name, ignore_name_scope=True), grad
+    return total(stats)
+
+
 @keras.saving.register_keras_serializable(package="hvdp")
 class SyncBatchNormalization(keras.layers.BatchNormalization):
     """BatchNormalization whose training statistics are those of the global batch (all ranks together).
@@ -298,7 +336,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         shape = tf.shape(s1)
         stats = tf.concat([tf.reshape(s1, [-1]), tf.reshape(tf.reduce_sum(weights * x * x, axes), [-1]),
                            tf.reshape(tf.reduce_sum(weights, axes), [-1])], axis=0)
-        stats = hvd.allreduce(stats, op=hvd.Sum)  # the gradient flows back through it (Horovod registers it)
+        stats = _sync_sum(stats)
         s1, s2, n = (tf.reshape(part, shape) for part in tf.split(stats, 3))
         mean = s1 / n
         variance = tf.maximum(s2 / n - mean * mean, 0.0)
@@ -306,5 +344,5 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
 
 __all__ = ["init", "world", "DistributedOptimizer", "ScaledSchedule", "shard", "index_records", "callbacks",
-           "DistributedCallback", "SyncBatchNormalization", "average", "evaluate", "check_consistency",
-           "save_checkpoint", "load_checkpoint", "log", "HvdpError"]
+           "DistributedCallback", "SyncBatchNormalization", "average", "barrier", "broadcast", "check_finite",
+           "evaluate", "check_consistency", "save_checkpoint", "load_checkpoint", "log", "HvdpError"]

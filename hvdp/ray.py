@@ -159,7 +159,8 @@ def run_elastic(train_fn: Callable | str, *, max_workers: int, min_workers: int 
     on min_workers ranks, grows to max_workers as the cluster has room, and goes on when an actor or a
     node is lost.
 
-    train_fn is a PyTorch elastic loop (hvdp_torch.ElasticState, @hvdp_torch.elastic_run). Horovod counts a
+    train_fn is the whole job, called as train_fn(*args, **kwargs) on every worker: it calls init(), builds the
+    model, the ElasticState and an @hvdp_torch.elastic_run loop, and calls that loop. Horovod counts a
     Ray node (its address) as a host: a worker that dies gets its node blacklisted, for good unless
     cooldown_range lets it back.
 

@@ -227,8 +227,9 @@ def run_elastic(train_fn: Callable | str, *, num_proc: int | None = None, min_nu
     """Run an elastic `train_fn(*args, **kwargs)` on Spark (horovod.spark.run_elastic, Gloo): the job goes on
     with fewer ranks when a task is lost, and grows again (up to max_num_proc) when Spark restarts it.
 
-    train_fn is a PyTorch elastic loop (hvdp_torch.ElasticState, @hvdp_torch.elastic_run; Keras has no
-    elastic mode). Spark restarts a failed task up to spark.task.maxFailures times (4 by default); each
+    train_fn is the whole job, called as train_fn(*args, **kwargs) on every worker: it calls init(), builds the
+    model, the ElasticState and an @hvdp_torch.elastic_run loop, and calls that loop (the loop itself, which
+    takes the state, is not a train_fn; Keras has no elastic mode). Spark restarts a failed task up to spark.task.maxFailures times (4 by default); each
     attempt joins as a new host.
 
     Args:

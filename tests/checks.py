@@ -35,6 +35,8 @@ def main(allgather_object, rank: int) -> None:
             results[name] = "ok"
         except Exception:
             results[name] = traceback.format_exc(limit=6)
+            # at once too: a check that failed on one rank may leave the others waiting, and then no results come
+            print(f"[rank {rank}] check {name} failed:\n{results[name]}", file=sys.stderr, flush=True)
     gathered = allgather_object(results)
     if rank == 0:
         merged = {name: {str(r): res[name] for r, res in enumerate(gathered)} for name in results}

@@ -63,9 +63,9 @@ def launcher_cmd(launcher: str, np: int = 2) -> list[str]:
 
 
 def run(launcher: str, script: str | Path, *args: str, np: int = 2, timeout: float = 600,
-        extra_env: dict | None = None) -> subprocess.CompletedProcess:
+        extra_env: dict | None = None, cwd: str | Path = ROOT) -> subprocess.CompletedProcess:
     cmd = launcher_cmd(launcher, np) + [str(script), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env=env(**(extra_env or {})))
 
 

@@ -44,14 +44,14 @@ MODULES = (
 # an allgather). A rank that skips one, or calls them in another order, leaves the others waiting forever,
 # so the docstring must say "every rank must call it".
 COLLECTIVES = {
-    "hvdp.torch": {"init", "barrier", "prepare", "broadcast", "average", "evaluate", "check_consistency", "check_finite",
+    "hvdp.torch": {"init", "barrier", "prepare", "shard", "broadcast", "average", "evaluate", "check_consistency", "check_finite",
                    "save_checkpoint", "load_checkpoint", "elastic_run", "SyncBatchNorm.forward",
                    "ElasticState.sync"},
-    "hvdp.tensorflow": {"init", "barrier", "allreduce_gradients", "broadcast", "average", "evaluate",
+    "hvdp.tensorflow": {"init", "barrier", "shard", "allreduce_gradients", "broadcast", "average", "evaluate",
                         "check_consistency", "check_finite", "save_checkpoint", "load_checkpoint",
                         "DistributedGradientTape.gradient", "DistributedOptimizer.apply",
                         "DistributedOptimizer.flush"},
-    "hvdp.keras": {"init", "callbacks"},
+    "hvdp.keras": {"init", "callbacks", "shard"},
 }
 
 # Public-looking names defined in a module that are deliberately not part of its API.

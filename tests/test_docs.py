@@ -84,7 +84,7 @@ def test_python_block_runs_alone(block, tmp_path):
 def test_python_block_runs_under_horovodrun(block, tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(block.code)
-    proc = launch.run("mpi", script, np=2, timeout=300)
+    proc = launch.run("mpi", script, np=2, timeout=300, cwd=tmp_path)  # files a snippet writes stay there
     assert proc.returncode == 0, _fail(f"{block.id} (horovodrun -np 2)", proc)
 
 

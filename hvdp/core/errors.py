@@ -55,10 +55,16 @@ class DivergenceError(HvdpError):
     """
 
 
+class RankError(HvdpError):
+    """An unexpected exception on some rank inside an operation every rank was in (a checkpoint's read or
+    write, evaluate, init's checks, verify): raised on every rank at once instead of leaving the others
+    waiting, naming each failed rank, the operation and the original exception (chained on that rank)."""
+
+
 class NonFiniteLossError(HvdpError):
     """The loss became NaN or infinite: raised on every rank by check_finite(), naming the step and the
     ranks whose loss was not finite."""
 
 
 __all__ = ["HvdpError", "ConfigError", "SetupError", "CheckpointError", "DataError", "DivergenceError",
-           "NonFiniteLossError"]
+           "NonFiniteLossError", "RankError"]

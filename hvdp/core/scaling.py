@@ -1,17 +1,23 @@
 """Learning-rate scaling for large effective batches: the linear rule with gradual warmup (Goyal et al. 2017).
 
 With N ranks, per-rank batch b and k accumulated backward passes, one optimizer step sees N*k*b samples.
-The base learning rate is the one tuned for batch b on one process; the rule multiplies it:
+The base learning rate is the one tuned for batch b on one process. The effective rate, the step taken
+along the *average* gradient, grows by the rule:
 
-    linear  lr = base * N*k        (Goyal et al. 2017; what Horovod's examples do by hand)
-    sqrt    lr = base * sqrt(N*k)  (Krizhevsky 2014; often better for Adam-like optimizers)
-    none    lr = base
+    linear  base * N*k        (Goyal et al. 2017; what Horovod's examples do by hand)
+    sqrt    base * sqrt(N*k)  (Krizhevsky 2014; often better for Adam-like optimizers)
+    none    base
 
-Adasum combines gradients so that no rescaling is needed: its multiplier is 1 whatever the rule.
-op="sum" all-reduces the sum of the N ranks' gradients, already N times their average, so the rule's
-factor is divided by N: linear gives k (not N*k, which would be N^2 times the intended step), sqrt gives
-sqrt(N*k)/N. lr_scaling="none" leaves the rate as given whatever the op.
-Warmup ramps linearly from the base rate to the scaled one over `warmup_steps` optimizer steps.
+Warmup ramps the effective rate linearly from the base rate (step 0) to the rule's (step warmup_steps).
+What the optimizer is given is the effective rate divided by how much larger the reduced gradient is than
+the average: op="sum" all-reduces the sum of the N ranks' gradients, N times their average, so its rate is
+the effective one / N (linear: base * k; not base * N*k, which would be N^2 times the intended step), and
+its warmup ramp still runs from base to the rule's effective rate. Adasum combines gradients so that no
+rescaling is needed: base, no ramp, whatever the rule. lr_scaling="none" leaves the rate as given
+whatever the op.
+
+learning_rate() is the one formula: the step hooks, checkpoint loading, an elastic reset and the
+TensorFlow/Keras schedules all call it (a rate scaled for one world is rescaled for another through it).
 """
 
 from __future__ import annotations
@@ -21,10 +27,72 @@ import math
 from hvdp.core.errors import ConfigError
 
 LR_RULES = ("linear", "sqrt", "none")
+LR_OPS = ("average", "sum", "adasum")
+
+
+def _factors(rule: str, size: int, passes: int, op: str) -> tuple[float, float]:
+    """(the effective multiplier of the average gradient's rate, how much larger the reduced gradient is)."""
+    if rule not in LR_RULES:
+        raise ConfigError(f"unknown lr_scaling={rule!r}; choose one of {', '.join(LR_RULES)}")
+    if op not in LR_OPS:
+        raise ConfigError(f"unknown op={op!r}; choose one of {', '.join(LR_OPS)}")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 \
+            or isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ConfigError(f"size ({size!r}) and backward_passes_per_step ({passes!r}) must be integers >= 1")
+    if op == "adasum" or rule == "none":
+        return 1.0, 1.0
+    batches = size * passes
+    return (float(batches) if rule == "linear" else math.sqrt(batches)), (float(size) if op == "sum" else 1.0)
+
+
+def learning_rate(lr, step: int, *, rule: str, size: int, backward_passes_per_step: int = 1,
+                  op: str = "average", warmup_steps: int = 0, scaled_by: float = 1.0):
+    """The rate an optimizer takes at optimizer step `step` in a world of `size` ranks.
+
+    The effective rate (along the average gradient) is base x the rule's multiplier (linear N*k, sqrt
+    sqrt(N*k), none 1), ramped linearly from base x 1 at step 0 to it at `warmup_steps`; the rate returned
+    is that divided by N for op="sum" (the summed gradient is N times the average). Adasum and
+    lr_scaling="none": base throughout.
+
+    `lr` may already carry a multiplier: a param group's rate holds its world's lr_multiplier, and one
+    restored from a checkpoint or from another rank after an elastic reset holds the multiplier of the world
+    it was scaled for (what the checkpoint recorded). `scaled_by` says which; the result is the same rate
+    rescaled for this world. So `learning_rate(group_lr, s, ..., scaled_by=lr_multiplier(...this world))`
+    is the warmup applied to a group's rate, and `learning_rate(saved, 0, ..., scaled_by=saved_multiplier)`
+    a saved rate resumed at `size`.
+
+    Args:
+        lr: the rate: the base rate (tuned for the per-rank batch on one process) with scaled_by=1.0; or a
+            float (or 0-dim tensor) scaled by `scaled_by`. A schedule's value at `step` works alike.
+        step: the optimizer step (not backward passes), >= 0; only the warmup depends on it.
+        rule: "linear", "sqrt" or "none"; see LR_RULES.
+        size: the number of ranks N, >= 1.
+        backward_passes_per_step: k, the backward passes accumulated per optimizer step, >= 1 (default 1).
+        op: the gradient reduction: "average" (default), "sum" or "adasum"; see LR_OPS.
+        warmup_steps: the ramp's length in optimizer steps, >= 0 (default 0: none).
+        scaled_by: the multiplier `lr` already carries, > 0 (default 1.0: `lr` is the base rate).
+
+    Returns:
+        The rate, of `lr`'s type; `lr` itself when it is already the rate of this world and step.
+
+    Raises:
+        ConfigError: an unknown `rule` or `op`; `size` or `backward_passes_per_step` < 1; `step` or
+            `warmup_steps` < 0; `scaled_by` not > 0.
+    """
+    effective, reduction = _factors(rule, size, backward_passes_per_step, op)
+    if warmup_steps < 0 or step < 0:
+        raise ConfigError(f"step ({step}) and warmup_steps ({warmup_steps}) must be >= 0")
+    if not scaled_by > 0:
+        raise ConfigError(f"the multiplier a rate carries must be > 0, got {scaled_by}")
+    if warmup_steps and step < warmup_steps:
+        effective = 1.0 + (effective - 1.0) * step / warmup_steps
+    factor = effective / reduction
+    return lr if factor == scaled_by else lr * (factor / scaled_by)
 
 
 def lr_multiplier(rule: str, size: int, *, backward_passes_per_step: int = 1, op: str = "average") -> float:
-    """How much the base learning rate grows for `size` ranks each accumulating `backward_passes_per_step`.
+    """What a base rate is multiplied by for `size` ranks each accumulating `backward_passes_per_step`, after
+    any warmup: learning_rate(1.0, ...) past the ramp. A rate scaled for a world carries this multiplier.
 
     Args:
         rule: "linear" (x size*k), "sqrt" (x sqrt(size*k)) or "none" (x 1); see LR_RULES.
@@ -38,80 +106,9 @@ def lr_multiplier(rule: str, size: int, *, backward_passes_per_step: int = 1, op
         The multiplier, a float > 0 (>= 1 unless op is "sum").
 
     Raises:
-        ConfigError: `rule` is not one of LR_RULES, or `size` or `backward_passes_per_step` is < 1.
+        ConfigError: an unknown `rule` or `op`, or `size` or `backward_passes_per_step` < 1.
     """
-    if rule not in LR_RULES:
-        raise ConfigError(f"unknown lr_scaling={rule!r}; choose one of {', '.join(LR_RULES)}")
-    if size < 1 or backward_passes_per_step < 1:
-        raise ConfigError(
-            f"size ({size}) and backward_passes_per_step ({backward_passes_per_step}) must be >= 1")
-    if op == "adasum" or rule == "none":
-        return 1.0
-    batches = size * backward_passes_per_step
-    factor = float(batches) if rule == "linear" else math.sqrt(batches)
-    return factor / size if op == "sum" else factor
+    return learning_rate(1.0, 0, rule=rule, size=size, backward_passes_per_step=backward_passes_per_step, op=op)
 
 
-def warmup_factor(step: int, warmup_steps: int, multiplier: float) -> float:
-    """The fraction of the scaled rate to use at optimizer step `step` (0-based).
-
-    Starts at 1/multiplier (the base rate) and grows linearly to 1 at `warmup_steps`; 1 from then on, and
-    throughout without warmup.
-
-    Args:
-        step: the optimizer step, >= 0 (optimizer steps, not backward passes).
-        warmup_steps: the length of the ramp in optimizer steps, >= 0; 0 means no warmup.
-        multiplier: the scaled rate's multiplier (lr_multiplier's result); 1.0 means nothing to ramp.
-
-    Returns:
-        A float in [1/multiplier, 1].
-
-    Raises:
-        ConfigError: `step` or `warmup_steps` is negative.
-    """
-    if warmup_steps < 0 or step < 0:
-        raise ConfigError(f"step ({step}) and warmup_steps ({warmup_steps}) must be >= 0")
-    if warmup_steps == 0 or step >= warmup_steps or multiplier == 1.0:
-        return 1.0
-    start = 1.0 / multiplier
-    return start + (1.0 - start) * step / warmup_steps
-
-
-def scaled_lr(base_lr: float, step: int, *, multiplier: float, warmup_steps: int = 0) -> float:
-    """The learning rate at optimizer step `step`: base_lr * multiplier * warmup_factor(...).
-
-    Args:
-        base_lr: the rate tuned for the per-rank batch on one process.
-        step: the optimizer step, >= 0.
-        multiplier: lr_multiplier's result.
-        warmup_steps: the warmup length in optimizer steps (default 0: no warmup).
-
-    Raises:
-        ConfigError: from warmup_factor, for a negative `step` or `warmup_steps`.
-    """
-    return base_lr * multiplier * warmup_factor(step, warmup_steps, multiplier)
-
-
-def rescale_lr(lr: float, old_multiplier: float, new_multiplier: float) -> float:
-    """A rate scaled by `old_multiplier` (another world size) rescaled to `new_multiplier`: base x new.
-
-    What a checkpoint resumed, or an elastic job re-formed, at another world size must do to the rate it
-    restores: the saved rate is base x old_multiplier, and the job now runs with new_multiplier.
-
-    Args:
-        lr: the restored rate, base x `old_multiplier`.
-        old_multiplier: the `lr_multiplier` of the world the rate was scaled for.
-        new_multiplier: the `lr_multiplier` of this world.
-
-    Returns:
-        base x `new_multiplier`.
-
-    Raises:
-        ConfigError: if either multiplier is not > 0.
-    """
-    if old_multiplier <= 0 or new_multiplier <= 0:
-        raise ConfigError(f"LR multipliers must be > 0, got {old_multiplier} and {new_multiplier}")
-    return lr / old_multiplier * new_multiplier
-
-
-__all__ = ["LR_RULES", "lr_multiplier", "warmup_factor", "scaled_lr", "rescale_lr"]
+__all__ = ["LR_RULES", "LR_OPS", "learning_rate", "lr_multiplier"]

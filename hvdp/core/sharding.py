@@ -333,17 +333,18 @@ def eval_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
     return _split(n, size, rank)
 
 
-def eval_metrics(loss_sum: float, correct: float, count: float, rank: int) -> dict[str, float]:
-    """What evaluate() returns from the all-reduced sums of every rank's slice (`eval_bounds`).
+def eval_means(sums: dict[str, float], count: float, rank: int) -> dict[str, float]:
+    """What evaluate() returns from the summed metrics of every rank's slice (`eval_bounds`): each sum divided
+    by the number of samples scored, and that number as "samples".
 
     Args:
-        loss_sum: the sum of the per-sample losses over all ranks.
-        correct: the number of correct predictions over all ranks.
+        sums: each metric's sum over the samples of all ranks ("loss" and, for a classifier, "accuracy": the
+            number correct), in the same order on every rank.
         count: the number of samples scored over all ranks.
         rank: this rank, named in the error.
 
     Returns:
-        {"loss": mean loss, "accuracy": fraction correct, "samples": count}, the same on every rank.
+        {name: sum / count for each metric, "samples": count}, the same on every rank.
 
     Raises:
         ConfigError: nothing was scored (an empty evaluation set): on every rank, since the sums are the same.
@@ -351,8 +352,23 @@ def eval_metrics(loss_sum: float, correct: float, count: float, rank: int) -> di
     if count == 0:
         raise ConfigError("evaluate() was given an empty dataset: nothing to score; pass at least one sample",
                           rank=rank)
-    return {"loss": float(loss_sum / count), "accuracy": float(correct / count), "samples": int(count)}
+    return {**{name: float(total / count) for name, total in sums.items()}, "samples": int(count)}
+
+
+def eval_metrics(loss_sum: float, correct: float, count: float, rank: int) -> dict[str, float]:
+    """A classifier's eval_means: {"loss": mean loss, "accuracy": fraction correct, "samples": count}.
+
+    Args:
+        loss_sum: the sum of the per-sample losses over all ranks.
+        correct: the number of correct predictions over all ranks.
+        count: the number of samples scored over all ranks.
+        rank: this rank, named in the error.
+
+    Raises:
+        ConfigError: nothing was scored (an empty evaluation set), on every rank.
+    """
+    return eval_means({"loss": loss_sum, "accuracy": correct}, count, rank)
 
 
 __all__ = ["epoch_order", "rank_bounds", "real_count", "exact_weight", "ShardPlan", "StreamSplit", "eval_bounds",
-           "eval_metrics"]
+           "eval_means", "eval_metrics"]

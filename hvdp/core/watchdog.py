@@ -7,10 +7,14 @@ per `interval` seconds and listens for theirs. The thread does not need the GIL 
 collective, so it keeps running while the main thread is blocked in MPI or Gloo. Two cases, two limits:
 
 - a peer silent for `timeout` seconds (default 60: stopped, frozen, its host or network gone) ends the job;
-- this rank waiting in the gradient all-reduce while a live peer is elsewhere (rank 0 evaluating, writing a
-  large checkpoint to a slow filesystem, logging) is normal for a while: after min(`timeout`,
-  `elsewhere_timeout` / 2) the watchdog warns once, naming the peer, its step and phase; only after
-  `elsewhere_timeout` seconds (default 1800, like the NCCL watchdogs' 10-30 minutes) does it end the job.
+- every rank blocked in a collective that another rank has not submitted (rank 0 in broadcast_object while
+  rank 1 is in prepare()'s broadcast): no amount of waiting resolves that, so it ends the job after the same
+  `timeout`, naming each rank's pending collective;
+- this rank waiting in a collective (the gradient all-reduce, or any other: allgather_object, broadcast,
+  barrier, evaluate) while a live peer is elsewhere, outside any collective (rank 0 evaluating, writing a
+  large checkpoint to a slow filesystem, logging, or a rank stuck in its DataLoader) is normal for a while:
+  after min(`timeout`, `elsewhere_timeout` / 2) the watchdog warns once, naming where each rank is; only
+  after `elsewhere_timeout` seconds (default 1800, like the NCCL watchdogs' 10-30 minutes) does it end the job.
 
 Ending the job means printing which rank, at which step and in which phase, and exiting this process with
 code 70 so that the launcher tears the job down.
@@ -21,10 +25,14 @@ that a recorded packet cannot be replayed. A packet that is malformed, unsigned,
 secret, replayed or inconsistent is ignored and counted (`Watchdog.rejected`); no packet can stop the
 watching of a rank or end the thread.
 
+Where a rank is comes from two sources: `progress(step, phase)` and `enter(phase)` from the adapters (the
+optimizer step, a rank's DataLoader, evaluate), and a `Collectives` registry that the adapters keep by
+wrapping Horovod's submit and wait functions: the names of the collectives this rank submitted and has not
+finished waiting for, and the one its main thread waits on now. Each heartbeat carries the collective this
+rank waits on and, while it waits, which of its peers' pending collectives it never submitted ("lacks").
+
 Framework-free (stdlib only); init() starts it for jobs of 2+ ranks (not in elastic mode, not with
-HVDP_WATCHDOG=0). The PyTorch adapter reports progress around each optimizer step with
-`progress(step, phase)`; the TensorFlow and Keras adapters report none, so there only silent peers are
-caught.
+HVDP_WATCHDOG=0).
 """
 
 from __future__ import annotations
@@ -38,8 +46,9 @@ import socket
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from hvdp.core.errors import ConfigError
 
@@ -47,17 +56,83 @@ EXIT_CODE = 70
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_ELSEWHERE_TIMEOUT = 1800.0
 WAITING = "waiting for the gradient all-reduce"
+STARTING = "starting"
+COMPUTING = "computing its forward/backward pass"
 EXITED = "exited"
 TAG_SIZE = 32  # HMAC-SHA256 digest
 MAX_PACKET = 4096
+MAX_NAME = 200  # characters of a collective's name a heartbeat carries
+MAX_LACKS = 8   # names of peers' collectives a heartbeat says this rank lacks
 
 
 @dataclass(slots=True)
 class PeerState:
     step: int = -1
-    phase: str = "starting"
+    phase: str = STARTING
     heard: float = field(default_factory=time.monotonic)
     seq: int = 0  # the last sequence number taken; a sender's first is 1, so no packet numbered 0 is ever new
+    since: float = field(default_factory=time.monotonic)  # when it entered its phase (this host's clock)
+    op: str | None = None   # the collective it waits on, or None
+    op_since: float = 0.0   # since when (this host's clock)
+    lacks: tuple = ()       # names of other ranks' pending collectives it has not submitted, while it waits
+
+
+class Collectives:
+    """This rank's Horovod collectives in flight, as an adapter reports them: each submitted one's name by its
+    key (a Horovod handle) until its wait ends, and the one the main thread waits on now, since when.
+
+    Written by the thread that calls Horovod, read by the watchdog's thread: every update is one assignment
+    or one dict operation, and the reader copies.
+    """
+
+    def __init__(self):
+        self._pending: dict = {}
+        self._wait: tuple = (None, 0.0, None)  # (name, since, key), replaced whole
+
+    def submitted(self, key, name: str) -> None:
+        """Collective `name` was submitted; `key` (its handle) identifies it until finished(key)."""
+        self._pending[key] = name[:MAX_NAME]
+
+    def wait(self, key) -> None:
+        """The main thread starts waiting for the collective submitted under `key` (unknown keys: no-op)."""
+        name = self._pending.get(key)
+        if name is not None:
+            self._wait = (name, time.monotonic(), key)
+
+    def finished(self, key) -> None:
+        """The wait for `key` ended (done or failed): it is no longer pending."""
+        self._pending.pop(key, None)
+        if self._wait[2] is key or self._wait[2] == key:
+            self._wait = (None, 0.0, None)
+
+    @contextmanager
+    def blocking(self, name: str) -> Iterator[None]:
+        """A collective that submits and waits in one call (TensorFlow's eager ops): pending while inside.
+
+        Args:
+            name: the collective's name, as Horovod knows it.
+        """
+        key = object()
+        self.submitted(key, name)
+        self.wait(key)
+        try:
+            yield
+        finally:
+            self.finished(key)
+
+    def waiting(self) -> tuple[str | None, float]:
+        """(name, since) of the collective the main thread waits on, or (None, 0.0)."""
+        name, since, _ = self._wait
+        return name, since
+
+    def names(self) -> set[str]:
+        """The names of every collective submitted and not finished."""
+        for _ in range(10):
+            try:
+                return set(self._pending.values())
+            except RuntimeError:  # changed size while copied (another thread): try again
+                continue
+        return set()
 
 
 def settings(environ=None) -> tuple[bool, float, float]:
@@ -112,15 +187,18 @@ class Watchdog:
             in stop().
         secret: the job's heartbeat key (bytes, at least 16; every rank the same): every packet sent is
             signed with it, and a packet not signed with it is ignored and counted in `rejected`.
-        timeout: seconds of silence from a peer before the job is ended (default DEFAULT_TIMEOUT, 60).
-        elsewhere_timeout: seconds this rank may wait in the gradient all-reduce while a live peer is
-            elsewhere before the job is ended (default DEFAULT_ELSEWHERE_TIMEOUT, 1800); a warning comes
-            first, after min(timeout, elsewhere_timeout / 2).
+        timeout: seconds of silence from a peer before the job is ended (default DEFAULT_TIMEOUT, 60); also
+            how long every rank may be blocked in collectives that another rank never submitted.
+        elsewhere_timeout: seconds this rank may wait in a collective while a live peer is elsewhere
+            before the job is ended (default DEFAULT_ELSEWHERE_TIMEOUT, 1800); a warning comes first, after
+            min(timeout, elsewhere_timeout / 2).
         interval: seconds between heartbeats (default: 1, or timeout / 5 when that is shorter).
         on_hang: called once with the message when diagnose() finds a problem; the default prints it to
             stderr and ends the process with EXIT_CODE (70). The thread stops after calling it.
         on_warning: called with the message when warning() finds a peer elsewhere, once per wait; the
             default prints it to stderr.
+        collectives: this rank's Collectives registry, kept by the adapter (default None: none is known,
+            and only a WAITING phase marks a wait in a collective).
 
     Raises:
         ValueError: `secret` is not bytes of at least 16 (a programming error: init() makes it).
@@ -129,11 +207,13 @@ class Watchdog:
     def __init__(self, rank: int, peers: list[list[tuple[str, int]]], sock: socket.socket, *,
                  secret: bytes, timeout: float = DEFAULT_TIMEOUT,
                  elsewhere_timeout: float = DEFAULT_ELSEWHERE_TIMEOUT, interval: float | None = None,
-                 on_hang: Callable[[str], None] | None = None, on_warning: Callable[[str], None] | None = None):
+                 on_hang: Callable[[str], None] | None = None, on_warning: Callable[[str], None] | None = None,
+                 collectives: Collectives | None = None):
         if not isinstance(secret, bytes) or len(secret) < 16:
             raise ValueError("Watchdog needs the job's heartbeat secret as bytes (at least 16)")
         self.rank, self.peers, self.sock, self.timeout = rank, peers, sock, timeout
         self.elsewhere_timeout = elsewhere_timeout
+        self.collectives = collectives if collectives is not None else Collectives()
         self._warned = None  # the wait (its start time) already warned about
         self._secret = secret
         self._seq = 0
@@ -141,8 +221,9 @@ class Watchdog:
         self.interval = interval if interval is not None else min(1.0, timeout / 5)
         self.on_hang = on_hang or _abort
         self.on_warning = on_warning or _warn
-        self.step, self.phase, self.since = 0, "starting", time.monotonic()
+        self.step, self.phase, self.since = 0, STARTING, time.monotonic()
         self.state = {r: PeerState() for r in range(len(peers)) if r != rank}
+        self.exited: set[int] = set()  # peers that left on purpose
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hvdp-watchdog", daemon=True)
         self.sock.settimeout(self.interval)
@@ -171,6 +252,21 @@ class Watchdog:
         """
         self.step, self.phase, self.since = step, phase, time.monotonic()
 
+    def enter(self, phase: str) -> str:
+        """This rank starts doing `phase` (reading its DataLoader, evaluating) at the same step; returns the
+        phase it leaves, for leave().
+
+        Args:
+            phase: what it is doing now, for the messages ("in its DataLoader, waiting for a batch").
+        """
+        before = self.phase
+        self.phase, self.since = phase, time.monotonic()
+        return before
+
+    def leave(self, before: str) -> None:
+        """This rank is done with the phase entered, and back to `before` (what enter() returned)."""
+        self.phase, self.since = before, time.monotonic()
+
     def _run(self) -> None:
         last_sent = 0.0
         while not self._stop.is_set():
@@ -194,10 +290,11 @@ class Watchdog:
             if problem:
                 self.on_hang(problem)
                 return
-            if self._warned != self.since:
+            blocked = self._blocked()
+            if blocked is not None and self._warned != blocked[1]:
                 warning = self.warning(now)
                 if warning:
-                    self._warned = self.since
+                    self._warned = blocked[1]
                     self.on_warning(warning)
 
     def _sign(self, body: bytes) -> bytes:
@@ -217,20 +314,33 @@ class Watchdog:
         rank, step, phase, seq = msg.get("rank"), msg.get("step"), msg.get("phase"), msg.get("seq")
         if not all(type(v) is int for v in (rank, step, seq)) or not isinstance(phase, str):
             return False
+        elapsed, op, waited, lacks = msg.get("for", 0.0), msg.get("op"), msg.get("waited", 0.0), msg.get("lacks", [])
+        if (not all(type(v) in (int, float) and 0 <= v < math.inf for v in (elapsed, waited))
+                or not (op is None or isinstance(op, str)) or not isinstance(lacks, list)
+                or not all(isinstance(n, str) for n in lacks)):
+            return False
         peer = self.state.get(rank)
         if peer is None:
             return rank != self.rank and 0 <= rank < len(self.peers)  # a rank that already left: harmless
         if seq <= peer.seq:
             return False  # replayed or reordered
         if phase == EXITED:
-            del self.state[rank]  # left on purpose: nothing to watch
+            del self.state[rank]  # left on purpose: nothing to watch, unless this rank waits for it
+            self.exited.add(rank)
         else:
-            peer.step, peer.phase, peer.heard, peer.seq = step, phase, time.monotonic(), seq
+            now = time.monotonic()
+            peer.step, peer.phase, peer.heard, peer.seq = step, phase, now, seq
+            peer.since, peer.op, peer.op_since, peer.lacks = now - elapsed, op, now - waited, tuple(lacks)
         return True
 
     def _send(self) -> None:
         self._seq += 1
-        body = json.dumps({"rank": self.rank, "step": self.step, "phase": self.phase, "seq": self._seq}).encode()
+        now = time.monotonic()
+        op, since = self.collectives.waiting()
+        body = json.dumps({"rank": self.rank, "step": self.step, "phase": self.phase, "seq": self._seq,
+                           "for": round(max(0.0, now - self.since), 3), "op": op,
+                           "waited": round(max(0.0, now - since), 3) if op is not None else 0.0,
+                           "lacks": self._lacks(op)}).encode()
         msg = self._sign(body) + body
         for r, addresses in enumerate(self.peers):
             if r != self.rank:
@@ -240,6 +350,25 @@ class Watchdog:
                     except OSError:
                         pass
 
+    def _lacks(self, op: str | None) -> list[str]:
+        """While this rank waits in a collective: the collectives its peers wait on that it never submitted
+        (so they can only finish when this rank submits them, which a blocked rank does not)."""
+        if op is None:
+            return []
+        mine = self.collectives.names()
+        theirs = sorted({p.op for p in self.state.values() if p.op is not None} - mine)
+        return theirs[:MAX_LACKS]
+
+    def _blocked(self) -> tuple[str | None, float] | None:
+        """(the collective, since when) this rank is blocked in; (None, since) in the gradient all-reduce
+        when no collective is known; None outside any collective."""
+        op, since = self.collectives.waiting()
+        if op is not None:
+            return op, since
+        if self.phase == WAITING:
+            return None, self.since
+        return None
+
     def diagnose(self, now: float) -> str | None:
         """The message to die with, or None while the job is healthy. A pure function of the state.
 
@@ -247,8 +376,11 @@ class Watchdog:
             now: the current time.monotonic().
 
         Returns:
-            A message naming the peers silent for longer than `timeout`, or (when this rank has been WAITING
-            longer than `elsewhere_timeout`) the live peers at another step or phase; None otherwise.
+            A message naming the peers silent for longer than `timeout`; or, when this rank has waited in a
+            collective for longer than `timeout` after a peer exited, that peer; or, when every rank has been
+            blocked for longer than `timeout` in a collective that some other rank never submitted, each rank
+            and the collective it waits on; or, when this rank has waited in a collective for longer than
+            `elsewhere_timeout` while a live peer is elsewhere, where each rank is; None otherwise.
         """
         silent = sorted(r for r, p in self.state.items() if now - p.heard > self.timeout)
         if silent:
@@ -257,10 +389,24 @@ class Watchdog:
             return (f"hvdp watchdog: {who} stopped responding: the process is stopped, frozen, or its host or "
                     f"network is gone. {self._me(now)}. Ending the job instead of waiting forever (timeout "
                     f"{self.timeout:g} s; HVDP_WATCHDOG_TIMEOUT changes it, HVDP_WATCHDOG=0 disables it).")
+        blocked = self._blocked()
+        if blocked is not None and self.exited and now - blocked[1] > self.timeout:
+            return (f"hvdp watchdog: {self._me(now)}, but {_ranks(sorted(self.exited))} exited (finished, or "
+                    f"returned early) without it, so it can never complete: a rank-dependent code path (a "
+                    f"collective called on some ranks only, or a rank that leaves its loop early). Ending the job "
+                    f"(limit {self.timeout:g} s; HVDP_WATCHDOG_TIMEOUT changes it).")
+        deadlock = self._deadlock(now)
+        if deadlock:
+            return (f"hvdp watchdog: every rank is blocked in a collective that another rank never submitted, "
+                    f"which no waiting resolves: {deadlock}. The ranks called different collectives, or the same "
+                    f"ones in another order (a rank-dependent code path): every rank must call the same "
+                    f"collectives in the same order. Ending the job (limit {self.timeout:g} s for ranks blocked "
+                    f"in different collectives; HVDP_WATCHDOG_TIMEOUT changes it).")
         elsewhere = self._elsewhere(now, self.elsewhere_timeout)
         if elsewhere:
             return (f"hvdp watchdog: {self._me(now)}, but {elsewhere}: it never reached this collective (a "
-                    f"rank-dependent code path, or a rank stuck in its own code). Ending the job (limit "
+                    f"rank-dependent code path, or a rank stuck in its own code: its data loading, I/O, a lock). "
+                    f"Ending the job (limit "
                     f"{self.elsewhere_timeout:g} s for a live peer elsewhere; HVDP_WATCHDOG_ELSEWHERE_TIMEOUT "
                     f"changes it).")
         return None
@@ -272,29 +418,77 @@ class Watchdog:
             now: the current time.monotonic().
 
         Returns:
-            When this rank has been WAITING longer than min(timeout, elsewhere_timeout / 2) while live peers
-            are at another step or phase: a message naming them and when the job will be ended; else None.
+            When this rank has waited in a collective longer than min(timeout, elsewhere_timeout / 2) while
+            live peers are elsewhere: a message naming where each rank is and when the job will be ended;
+            else None.
         """
         elsewhere = self._elsewhere(now, min(self.timeout, self.elsewhere_timeout / 2))
-        if not elsewhere:
-            return None
+        if not elsewhere or self._elsewhere(now, 0.0, outside_only=True) == "":
+            return None  # the peers elsewhere are all blocked in other collectives: diagnose() decides
         return (f"hvdp watchdog (warning): {self._me(now)}; {elsewhere}. A peer evaluating, saving a "
                 f"checkpoint or logging is normal; if it has not joined after {self.elsewhere_timeout:g} s in all, "
                 f"the job is ended (HVDP_WATCHDOG_ELSEWHERE_TIMEOUT changes that limit).")
 
-    def _elsewhere(self, now: float, limit: float) -> str:
-        """The live peers at another step or phase, when this rank has been WAITING longer than `limit`."""
-        if self.phase != WAITING or now - self.since <= limit:
+    def _deadlock(self, now: float) -> str:
+        """Each rank and its collective, when every rank has been blocked longer than `timeout` in a collective
+        that another rank lacks (reported by that rank while it waits); "" otherwise."""
+        op, since = self.collectives.waiting()
+        if op is None or now - since <= self.timeout or len(self.state) != len(self.peers) - 1:
             return ""
-        return "; ".join(f"rank {r} is alive at step {p.step}, {p.phase}" for r, p in sorted(self.state.items())
-                         if p.phase != WAITING or p.step != self.step)
+        ranks = {self.rank: (op, since, tuple(self._lacks(op)))}
+        ranks.update((r, (p.op, p.op_since, p.lacks)) for r, p in self.state.items())
+        if any(o is None or now - s <= self.timeout for o, s, _ in ranks.values()):
+            return ""
+        missing = {}
+        for r, (o, _, _) in ranks.items():
+            missing[r] = sorted(q for q, (_, _, lacks) in ranks.items() if q != r and o in lacks)
+            if not missing[r]:
+                return ""  # every other rank has submitted it: it can still complete
+        return "; ".join(f"rank {r} waits for {o} ({now - s:.0f} s), which {_ranks(missing[r])} never submitted"
+                         for r, (o, s, _) in sorted(ranks.items()))
+
+    def _elsewhere(self, now: float, limit: float, outside_only: bool = False) -> str:
+        """Where the live peers that are not in this rank's collective are, when this rank has been blocked
+        in a collective longer than `limit`: outside any collective, or in another one that lacks this
+        rank's (with `outside_only`, the former only)."""
+        blocked = self._blocked()
+        if blocked is None or now - blocked[1] <= limit:
+            return ""
+        op = blocked[0]
+
+        def with_me(p: PeerState) -> bool:
+            if p.op is not None:
+                return p.op == op or op is None or op not in p.lacks
+            return p.phase == WAITING and p.step == self.step and op is None
+
+        return "; ".join(f"rank {r} is alive at step {p.step}, {_doing(p.phase, p.op)}, for "
+                         f"{now - (p.op_since if p.op is not None else p.since):.0f} s"
+                         for r, p in sorted(self.state.items())
+                         if not with_me(p) and not (outside_only and p.op is not None))
 
     def _me(self, now: float) -> str:
-        me = f"rank {self.rank} is at step {self.step}, {self.phase} for {now - self.since:.0f} s"
+        op, since = self.collectives.waiting()
+        seconds = now - (since if op is not None else self.since)
+        me = f"rank {self.rank} is at step {self.step}, {_doing(self.phase, op)} for {seconds:.0f} s"
         if self.rejected:
             me += (f" ({self.rejected} heartbeat packet(s) were ignored as malformed, unauthenticated or from "
                    f"another job)")
         return me
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
+def _doing(phase: str, op: str | None) -> str:
+    """What a rank is doing, for the messages: its phase, and the collective it waits on."""
+    if op is None:
+        return phase
+    if phase == WAITING:
+        return f"{WAITING} ({op})"
+    if phase in (STARTING, COMPUTING):
+        return f"in the collective {op}"
+    return f"{phase}, in the collective {op}"
 
 
 def _abort(message: str) -> None:
@@ -306,4 +500,5 @@ def _warn(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-__all__ = ["EXIT_CODE", "DEFAULT_TIMEOUT", "DEFAULT_ELSEWHERE_TIMEOUT", "WAITING", "EXITED", "settings", "open_socket", "Watchdog"]
+__all__ = ["EXIT_CODE", "DEFAULT_TIMEOUT", "DEFAULT_ELSEWHERE_TIMEOUT", "WAITING", "STARTING", "COMPUTING", "EXITED",
+           "settings", "open_socket", "Collectives", "Watchdog"]

@@ -67,24 +67,29 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     except TypeError as e:
         raise ConfigError(f"save_checkpoint extra values must be JSON (numbers, strings, lists, dicts): {e}")
     _build_optimizer(optimizer, model)
-    local = hvd.allgather_object(_numpy(_local_variables(model, optimizer)), name="hvdp.local_state")
+    # every rank's own state (an error on one rank is raised on all)
+    local = _horovod.gather_or_raise(hvd, lambda: _numpy(_local_variables(model, optimizer)),
+                                     name="hvdp.local_state", operation="save_checkpoint")
     if hvd.rank() != 0:
         return _horovod.save_on_root(hvd, directory, "", None, keep)
-    weights = _weights(model)
-    opt_vars = list(optimizer.variables) if optimizer is not None else []
-    header = {"hvdp": ckpt.make_meta(framework=FRAMEWORK, step=global_step, epoch=epoch, world_size=hvd.size(),
-                                     model_fingerprint=_fingerprint(model)),
-              "position": {"epoch": int(epoch), "step": int(step),
-                           "lr_multiplier": getattr(optimizer, "multiplier", None)},
-              "model": [_label(v) for v in weights], "optimizer": [_label(v) for v in opt_vars],
-              "extra": extra}
-    arrays = {"header": np.array(json.dumps(header))}
-    arrays.update({f"model/{i:05d}": a for i, a in enumerate(_numpy(weights))})
-    arrays.update({f"optimizer/{i:05d}": a for i, a in enumerate(_numpy(opt_vars))})
-    for r, states in enumerate(local):
-        arrays.update({f"local/{r}/{i:05d}": a for i, a in enumerate(states)})
-    return _horovod.save_on_root(hvd, directory, ckpt.checkpoint_name(global_step, "npz"),
-                                 lambda f: np.savez(f, **arrays), keep)
+
+    def write(f):  # inside save_on_root's error handling: whatever fails on rank 0 is raised on every rank
+        weights = _weights(model)
+        opt_vars = list(optimizer.variables) if optimizer is not None else []
+        header = {"hvdp": ckpt.make_meta(framework=FRAMEWORK, step=global_step, epoch=epoch, world_size=hvd.size(),
+                                         model_fingerprint=_fingerprint(model)),
+                  "position": {"epoch": int(epoch), "step": int(step),
+                               "lr_multiplier": getattr(optimizer, "multiplier", None)},
+                  "model": [_label(v) for v in weights], "optimizer": [_label(v) for v in opt_vars],
+                  "extra": extra}
+        arrays = {"header": np.array(json.dumps(header))}
+        arrays.update({f"model/{i:05d}": a for i, a in enumerate(_numpy(weights))})
+        arrays.update({f"optimizer/{i:05d}": a for i, a in enumerate(_numpy(opt_vars))})
+        for r, states in enumerate(local):
+            arrays.update({f"local/{r}/{i:05d}": a for i, a in enumerate(states)})
+        np.savez(f, **arrays)
+
+    return _horovod.save_on_root(hvd, directory, ckpt.checkpoint_name(global_step, "npz"), write, keep)
 
 
 def _read(path: Path, model, optimizer, resharding_data: bool) -> dict:
@@ -169,7 +174,7 @@ def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimi
             if saved is None:
                 saved = lr_multiplier(optimizer.lr_scaling, header["hvdp"]["world_size"],
                                       backward_passes_per_step=optimizer.backward_passes_per_step)
-            _rescale_learning_rate(optimizer.inner_optimizer, saved, optimizer.multiplier)
+            _rescale_learning_rate(optimizer.inner_optimizer, saved, **optimizer._scaling())
     mine = payload["local"].get(hvd.rank())
     local_vars = _local_variables(model, optimizer)
     if same_world and mine is not None and [a.shape for a in mine] == [tuple(v.shape) for v in local_vars]:

@@ -8,10 +8,13 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from hvdp._horovod import agree
+from hvdp.core.consistency import fingerprint_of, sample_positions
 from hvdp.core.errors import ConfigError
 from hvdp.core.records import RecordIndex, RecordReader
 from hvdp.core.sharding import ShardPlan
-from hvdp.tensorflow.runtime import _ensure_init
+from hvdp.tensorflow.runtime import _ensure_init, hvd
+from hvdp.tensorflow.tracking import watched
 
 
 class ShardPosition:
@@ -66,6 +69,19 @@ def _as_arrays(data) -> tuple[np.ndarray, ...]:
     return arrays
 
 
+def _arrays_fingerprint(arrays) -> str:
+    """What identifies the data across ranks without reading it all: each array's shape and dtype, and its rows
+    at a few fixed positions; an array of strings (file paths) whole, so that another listing or order shows."""
+    parts = []
+    for a in arrays:
+        parts.append(repr((a.shape, a.dtype.str)).encode())
+        if a.dtype.kind in "USO":
+            parts.append(repr(a.tolist()).encode())
+        else:
+            parts.extend(np.ascontiguousarray(a[i]).tobytes() for i in sample_positions(len(a)))
+    return fingerprint_of(parts)
+
+
 def _gatherer(arrays):
     """A tf.data function from a batch of sample numbers to the tuple of those rows of `arrays`."""
     columns = tuple(tf.convert_to_tensor(a) for a in arrays)  # captured by reference, not in the graph
@@ -107,6 +123,12 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
     and sets where the next iteration starts; transforming the dataset afterwards (.map returns a new
     one) loses it. Each iteration is the next epoch (no set_epoch to forget). Calls init() if needed.
 
+    Every rank must call it, with the same data and settings: they are compared across the ranks (one small
+    all-gather): batch_size, seed, shuffle, drop_last, the number of samples and a fingerprint of the data
+    (the rows of in-memory arrays at fixed positions, the whole list of file paths, the files and record
+    counts of index_records). seed=rank, a per-node copy with one file more, or a listing in another order
+    is a ConfigError on every rank, naming the rank and the value.
+
     Args:
         data: the samples, as above; every rank passes the same.
         batch_size: samples per rank per batch, from 1 to len(data) // size.
@@ -131,7 +153,8 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
         batched; with `weights`, one more element at the end.
 
     Raises:
-        ConfigError: an infinite (repeated) or empty dataset, arrays of different lengths, batch_size < 1,
+        ConfigError: the ranks passed different settings or data (on every rank, naming the rank and the
+            value); an infinite (repeated) or empty dataset, arrays of different lengths, batch_size < 1,
             fewer samples than ranks, batch_size larger than each rank's share, `map` not callable, or
             backward_passes_per_step not an integer >= 1.
     """
@@ -149,10 +172,13 @@ def _shard(data, *, batch_size, shuffle, seed, drop_last, map, num_parallel_call
         raise ConfigError(f"shard(backward_passes_per_step=...) must be an integer >= 1, got {passes!r}")
     if isinstance(data, RecordIndex):
         n, samples = len(data), _record_reader(data)
+        fingerprint = fingerprint_of([repr((list(data.paths), data.counts())).encode()])
     else:
         arrays = _as_arrays(data)
-        n, samples = len(arrays[0]), _gatherer(arrays)
+        n, samples, fingerprint = len(arrays[0]), _gatherer(arrays), _arrays_fingerprint(arrays)
         del arrays
+    agree(hvd, lambda: {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
+                        "samples": n, "fingerprint": fingerprint}, call="shard()")
     plan = ShardPlan(n=n, batch_size=batch_size, rank=w.rank, size=w.size, seed=seed, shuffle=shuffle,
                      drop_last=drop_last)
     position = ShardPosition(plan, passes)
@@ -187,7 +213,7 @@ def _shard(data, *, batch_size, shuffle, seed, drop_last, map, num_parallel_call
                                         deterministic=True).batch(batch_size)
     if finish is not None:
         dataset = dataset.map(finish, num_parallel_calls=num_parallel_calls, deterministic=True)
-    dataset = dataset.prefetch(tf.data.AUTOTUNE)
+    dataset = watched(dataset.prefetch(tf.data.AUTOTUNE))  # an eager loop's wait for a batch is known
     dataset.hvdp_position = position
     return dataset
 

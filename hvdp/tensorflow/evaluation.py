@@ -1,41 +1,68 @@
-"""hvdp.tensorflow's evaluation: evaluate(), every test sample counted exactly once on any world size."""
+"""hvdp.tensorflow's evaluation: evaluate(), a model's mean loss and metrics (a classifier's accuracy by
+default), every test sample counted exactly once on any world size."""
 
 from __future__ import annotations
 
-import numpy as np
-import tensorflow as tf
 import keras
+import numpy as np
 
-from hvdp.core.sharding import eval_bounds, eval_metrics
+from hvdp._horovod import gather_or_raise
+from hvdp.core.sharding import eval_bounds, eval_means
 from hvdp.tensorflow.runtime import _ensure_init, hvd
 
 
-def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True) -> dict[str, float]:
-    """Sparse-categorical loss and accuracy of a classifier over `data` = (x, y), counting every sample
-    exactly once on any world size: each rank scores a contiguous, unpadded slice, the sums are all-reduced.
-    Returns {"loss", "accuracy", "samples"}. Every rank must call it.
+def _correct(y, out) -> np.ndarray:
+    """A classifier's per-sample correctness: argmax over the last axis equal to the integer label."""
+    return np.argmax(keras.ops.convert_to_numpy(out), axis=-1) == y
+
+
+def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True, loss=None,
+             metrics: dict | None = None) -> dict[str, float]:
+    """Mean loss (and, for a classifier, accuracy) over `data` = (x, y), counting every sample exactly once on
+    any world size: each rank scores a contiguous, unpadded slice, the sums are gathered and added.
+
+    By default it scores a classifier: the sparse categorical cross-entropy and "accuracy" (the argmax is
+    the label). For any other model pass its per-sample `loss` and your own `metrics` (or none):
+    `evaluate(model, (x, y), loss=keras.losses.mean_squared_error, metrics={})`. Every rank must call it.
 
     Args:
-        model: a classifier: model(x, training=False) returns (N, classes) logits or probabilities.
-        data: (x, y) arrays with integer labels y, the same on every rank.
+        model: model(x, training=False) gives the output `loss` and the metrics take (a classifier: (N, classes)
+            logits or probabilities).
+        data: (x, y) arrays, the same on every rank.
         batch_size: samples per forward pass on each rank (default 256).
-        from_logits: the model outputs logits (default True) or probabilities (False).
+        from_logits: the default loss's input: the model outputs logits (default True) or probabilities.
+        loss: loss(y, out) giving each sample's loss (a Keras loss function); default None: the sparse
+            categorical cross-entropy (with `from_logits`).
+        metrics: name -> fn(y, out) giving each sample's value of that metric; each is reported as its mean.
+            Default None: {"accuracy": 1 where argmax(out) == y}.
 
     Returns:
-        {"loss": mean loss, "accuracy": fraction correct, "samples": len(x)}, the same on every rank.
+        {"loss": mean loss, each metric's mean, "samples": len(x)}, the same on every rank.
 
     Raises:
         ConfigError: `data` is empty (on every rank).
+        RankError: the model raised on some rank (on every rank, naming it and the exception).
     """
     w = _ensure_init()
     x, y = (np.asarray(a) for a in data)
     start, stop = eval_bounds(len(x), w.rank, w.size)
-    sums = np.zeros(3)  # loss sum, correct, count
-    for lo in range(start, stop, batch_size):
-        xb, yb = x[lo:min(lo + batch_size, stop)], y[lo:min(lo + batch_size, stop)]
-        out = model(xb, training=False)
-        loss = keras.losses.sparse_categorical_crossentropy(yb, out, from_logits=from_logits)
-        pred = np.argmax(keras.ops.convert_to_numpy(out), axis=-1)
-        sums += [float(np.sum(keras.ops.convert_to_numpy(loss), dtype=np.float64)), float(np.sum(pred == yb)), len(yb)]
-    total = hvd.allreduce(tf.constant(sums, tf.float64), op=hvd.Sum, name="hvdp.evaluate").numpy().tolist()
-    return eval_metrics(*total, rank=w.rank)
+    if loss is None:
+        def loss(yb, out):
+            return keras.losses.sparse_categorical_crossentropy(yb, out, from_logits=from_logits)
+    metrics = {"accuracy": _correct} if metrics is None else dict(metrics)
+
+    def total(values) -> float:
+        return float(np.sum(keras.ops.convert_to_numpy(values), dtype=np.float64))
+
+    def score() -> list[float]:
+        sums = np.zeros(len(metrics) + 2)  # count, loss sum, each metric's sum
+        for lo in range(start, stop, batch_size):
+            xb, yb = x[lo:min(lo + batch_size, stop)], y[lo:min(lo + batch_size, stop)]
+            out = model(xb, training=False)
+            sums += [len(yb), total(loss(yb, out)), *(total(fn(yb, out)) for fn in metrics.values())]
+        return sums.tolist()
+
+    # Each rank's sums gathered (an error on one rank raised on all), added in rank order: the same everywhere.
+    gathered = gather_or_raise(hvd, score, name="hvdp.evaluate", operation="hvdp.tensorflow.evaluate")
+    count, loss_sum, *sums = (sum(column) for column in zip(*gathered))
+    return eval_means({"loss": loss_sum, **dict(zip(metrics, sums))}, count, rank=w.rank)

@@ -7,49 +7,72 @@ import tensorflow as tf
 import keras
 
 from hvdp.core.errors import ConfigError
-from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
+from hvdp.core.scaling import learning_rate, lr_multiplier
 from hvdp.tensorflow.gradients import _check_compression, allreduce_gradients
 from hvdp.tensorflow.runtime import _ensure_init
 
 
 @keras.saving.register_keras_serializable(package="hvdp")
 class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """base(step) x multiplier x warmup factor, the factors computed by hvdp.core.scaling.warmup_factor.
+    """base(step) scaled for `size` ranks at each optimizer step: hvdp.core.scaling.learning_rate's rate.
 
-    `step` counts optimizer steps (not backward passes). Serialisable (model.save / load_model).
+    The rule's multiplier (x size*k, sqrt of it, or 1), reached with `warmup_steps` by a straight line from
+    base(step) at step 0. `step` counts optimizer steps (not backward passes). Serialisable (model.save /
+    load_model). The base stays apart from the scaling, so a resized job rebuilds it for its own size.
 
     Args:
         base: the base rate, a float or another LearningRateSchedule.
-        multiplier: hvdp.core.scaling.lr_multiplier's result.
-        warmup_steps: optimizer steps over which the rate ramps from base(step) to base(step) * multiplier
-            (default 0: no warmup).
+        lr_scaling: "linear" (default), "sqrt" or "none".
+        size: the number of ranks the rate is scaled for (default 1).
+        backward_passes_per_step: k, the backward passes per optimizer step (default 1).
+        warmup_steps: optimizer steps of the ramp from the base rate (default 0: no warmup).
+
+    Raises:
+        ConfigError: an unknown `lr_scaling`; `size` or `backward_passes_per_step` < 1; `warmup_steps` < 0.
     """
 
-    def __init__(self, base, multiplier: float, warmup_steps: int = 0):
+    def __init__(self, base, *, lr_scaling: str = "linear", size: int = 1, backward_passes_per_step: int = 1,
+                 warmup_steps: int = 0):
         self.base = base
-        self.multiplier = float(multiplier)
+        self.lr_scaling, self.size, self.backward_passes_per_step = lr_scaling, int(size), int(backward_passes_per_step)
         self.warmup_steps = int(warmup_steps)
-        # The ramp as a table: the core's pure function evaluated once per step, looked up in the graph.
-        self._factors = [warmup_factor(s, self.warmup_steps, self.multiplier) for s in range(self.warmup_steps + 1)]
+        # The rate's factor per step as a table: the core's pure function evaluated once per step, looked up in
+        # the graph (the last entry holds from the warmup's end on).
+        self._factors = [learning_rate(1.0, s, rule=lr_scaling, size=self.size,
+                                       backward_passes_per_step=self.backward_passes_per_step,
+                                       warmup_steps=self.warmup_steps) for s in range(self.warmup_steps + 1)]
+
+    @property
+    def multiplier(self) -> float:
+        """The factor past the warmup: hvdp.core.scaling.lr_multiplier of this schedule's rule and world."""
+        return self._factors[-1]
 
     def __call__(self, step):
         step = tf.cast(step, tf.int64)
         base = self.base(step) if callable(self.base) else self.base
         factor = tf.gather(tf.constant(self._factors, tf.float32), tf.minimum(step, self.warmup_steps))
-        return tf.cast(base, tf.float32) * (self.multiplier * factor)
+        return tf.cast(base, tf.float32) * factor
 
     def get_config(self):
-        """Keras serialisation: {"base" (serialised if a schedule), "multiplier", "warmup_steps"}."""
+        """Keras serialisation: {"base" (serialised if a schedule), "lr_scaling", "size",
+        "backward_passes_per_step", "warmup_steps"}."""
         base = keras.saving.serialize_keras_object(self.base) if callable(self.base) else self.base
-        return {"base": base, "multiplier": self.multiplier, "warmup_steps": self.warmup_steps}
+        return {"base": base, "lr_scaling": self.lr_scaling, "size": self.size,
+                "backward_passes_per_step": self.backward_passes_per_step, "warmup_steps": self.warmup_steps}
 
     @classmethod
     def from_config(cls, config):
-        """Rebuild a ScaledSchedule from get_config()'s `config`."""
-        base = config["base"]
+        """Rebuild a ScaledSchedule from get_config()'s `config` (or an older one's multiplier)."""
+        config = dict(config)
+        base = config.pop("base")
         if isinstance(base, dict):
             base = keras.saving.deserialize_keras_object(base)
-        return cls(base, config["multiplier"], config["warmup_steps"])
+        if "multiplier" in config:
+            # Written before the rule was stored: m, the multiplier of the averaged gradient, is N*k or its
+            # square root, so the sqrt rule at m^2 ranks gives the same rate and warmup exactly.
+            m = float(config.pop("multiplier"))
+            config.update(lr_scaling="sqrt", size=max(1, round(m * m)), backward_passes_per_step=1)
+        return cls(base, **config)
 
 
 def _rate_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
@@ -59,57 +82,69 @@ def _rate_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optim
     return optimizer
 
 
-def scale_learning_rate(optimizer: keras.optimizers.Optimizer, multiplier: float, warmup_steps: int = 0) -> None:
-    """Scale `optimizer`'s learning rate in place by `multiplier`, ramping from the base rate over
-    `warmup_steps` optimizer steps. A float rate stays a (settable) variable when there is no warmup.
+def scale_learning_rate(optimizer: keras.optimizers.Optimizer, *, lr_scaling: str = "linear",
+                        size: int | None = None, backward_passes_per_step: int = 1, warmup_steps: int = 0) -> None:
+    """Scale `optimizer`'s learning rate in place for `size` ranks by the rule (hvdp.core.scaling.learning_rate),
+    ramping from the base rate over `warmup_steps` optimizer steps. A float rate without warmup stays a
+    (settable) variable; a LearningRateSchedule, or a float with a warmup, becomes a ScaledSchedule (at every
+    world size: a checkpoint then moves between world sizes).
 
-    For a LossScaleOptimizer, the rate of the optimizer it wraps is scaled. A LearningRateSchedule, or a
-    float with warmup, becomes a ScaledSchedule. DistributedOptimizer already
+    For a LossScaleOptimizer, the rate of the optimizer it wraps is scaled. DistributedOptimizer already
     does this; call it yourself only with a plain optimizer (e.g. after DistributedGradientTape).
 
     Args:
         optimizer: a Keras 3 optimizer whose rate is a float or a LearningRateSchedule.
-        multiplier: hvdp.core.scaling.lr_multiplier's result.
+        lr_scaling: "linear" (default: x size*k), "sqrt" or "none".
+        size: the number of ranks (default None: this job's, which calls init() if needed).
+        backward_passes_per_step: k, the backward passes per optimizer step (default 1).
         warmup_steps: the ramp's length in optimizer steps (default 0: no warmup).
 
     Raises:
-        ConfigError: the optimizer's learning_rate is a plain callable (not a LearningRateSchedule).
+        ConfigError: the optimizer's learning_rate is a plain callable (not a LearningRateSchedule); an
+            unknown `lr_scaling`, `size` or `backward_passes_per_step` < 1, `warmup_steps` < 0.
     """
+    kw = dict(lr_scaling=lr_scaling, size=_ensure_init().size if size is None else size,
+              backward_passes_per_step=backward_passes_per_step, warmup_steps=warmup_steps)
     optimizer = _rate_owner(optimizer)
     base = optimizer._learning_rate
     if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
-        optimizer.learning_rate = ScaledSchedule(base, multiplier, warmup_steps)
+        optimizer.learning_rate = ScaledSchedule(base, **kw)
     elif callable(base):
         raise ConfigError("the optimizer's learning_rate is a plain callable; give it a float or a "
                           "keras.optimizers.schedules.LearningRateSchedule so hvdp can scale it")
     else:
         rate = float(keras.ops.convert_to_numpy(base))
-        if warmup_steps and multiplier != 1.0:
-            optimizer.learning_rate = ScaledSchedule(rate, multiplier, warmup_steps)
-        else:
-            optimizer.learning_rate = rate * multiplier
+        schedule = ScaledSchedule(rate, **kw)  # checks the arguments
+        optimizer.learning_rate = schedule if warmup_steps else rate * schedule.multiplier
 
 
-def _rescale_learning_rate(optimizer: keras.optimizers.Optimizer, old_multiplier: float,
-                           new_multiplier: float) -> None:
-    """Make a rate scaled for another world (base x old_multiplier) base x new_multiplier, in place: the
-    rate variable is reassigned; a ScaledSchedule is rebuilt with the new multiplier (its warmup ramp too)."""
-    if old_multiplier == new_multiplier:
-        return
+def _rescale_learning_rate(optimizer: keras.optimizers.Optimizer, scaled_by: float, *, lr_scaling: str,
+                           size: int, backward_passes_per_step: int, warmup_steps: int) -> None:
+    """Make a rate scaled by `scaled_by` (for another world: base x its multiplier) this world's, in place: the
+    rate variable is reassigned (hvdp.core.scaling.learning_rate); a ScaledSchedule is rebuilt for `size`."""
     optimizer = _rate_owner(optimizer)
     lr = optimizer._learning_rate
-    if isinstance(lr, ScaledSchedule):  # holds the unscaled base and the multiplier apart
-        optimizer._learning_rate = ScaledSchedule(lr.base, new_multiplier, lr.warmup_steps)
+    if isinstance(lr, ScaledSchedule):  # holds the unscaled base apart
+        if (lr.lr_scaling, lr.size, lr.backward_passes_per_step, lr.warmup_steps) != (
+                lr_scaling, size, backward_passes_per_step, warmup_steps):
+            optimizer._learning_rate = ScaledSchedule(lr.base, lr_scaling=lr_scaling, size=size,
+                                                      backward_passes_per_step=backward_passes_per_step,
+                                                      warmup_steps=warmup_steps)
     elif isinstance(lr, keras.Variable):
-        lr.assign(rescale_lr(float(keras.ops.convert_to_numpy(lr)), old_multiplier, new_multiplier))
+        value = float(keras.ops.convert_to_numpy(lr))
+        rescaled = learning_rate(value, 0, rule=lr_scaling, size=size,
+                                 backward_passes_per_step=backward_passes_per_step, scaled_by=scaled_by)
+        if rescaled != value:
+            lr.assign(rescaled)
 
 
 @keras.saving.register_keras_serializable(package="hvdp")
 class DistributedOptimizer(keras.optimizers.Optimizer):
     """A Keras 3 optimizer that averages gradients across ranks before the wrapped optimizer applies them.
 
-    - scales the wrapped optimizer's learning rate by the rule (hvdp.core.scaling: `linear` x N*k, `sqrt`,
-      `none`) and, with `warmup_steps`, ramps it from the base rate over that many optimizer steps;
+    - scales the wrapped optimizer's learning rate by the rule (hvdp.core.scaling.learning_rate: `linear` x N*k,
+      `sqrt`, `none`) and, with `warmup_steps`, ramps it from the base rate over that many optimizer steps
+      (a ScaledSchedule at every world size, so that a checkpoint moves between world sizes);
     - all-reduces (averages) the gradients with one grouped Horovod all-reduce inside apply(), which
       model.fit and tf.function custom loops call inside their compiled step; `compression="fp16"` halves
       the bytes on the wire;
@@ -161,7 +196,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.multiplier = lr_multiplier(lr_scaling, w.size, backward_passes_per_step=backward_passes_per_step)
         if not _scaled:
-            scale_learning_rate(optimizer, self.multiplier, warmup_steps)
+            scale_learning_rate(optimizer, **self._scaling())
+
+    def _scaling(self) -> dict:
+        """hvdp.core.scaling's arguments for this world (see scale_learning_rate)."""
+        return dict(lr_scaling=self.lr_scaling, size=_ensure_init().size,
+                    backward_passes_per_step=self.backward_passes_per_step, warmup_steps=self.warmup_steps)
 
     def build(self, var_list):
         """Build the wrapped optimizer's state (and the k-pass accumulators) for the variables `var_list`."""
@@ -292,7 +332,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         # The saved inner optimizer holds the rate scaled for the world it was saved in: rescale it to this one.
         opt = cls(inner, _scaled=True, **config)
         opt._saved_multiplier = opt.multiplier if saved is None else float(saved)
-        _rescale_learning_rate(inner, opt._saved_multiplier, opt.multiplier)
+        _rescale_learning_rate(inner, opt._saved_multiplier, **opt._scaling())
         return opt
 
     def load_own_variables(self, store):
@@ -303,4 +343,4 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """
         super().load_own_variables(store)
         _rescale_learning_rate(self.inner_optimizer, getattr(self, "_saved_multiplier", self.multiplier),
-                               self.multiplier)
+                               **self._scaling())

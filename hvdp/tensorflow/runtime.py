@@ -12,6 +12,7 @@ from hvdp import _horovod
 from hvdp.core import devices as _devices
 from hvdp.core.errors import ConfigError
 from hvdp.core.world import World
+from hvdp.tensorflow import tracking
 
 hvd = _horovod.import_horovod("tensorflow")
 
@@ -50,6 +51,8 @@ def init(*, timeline: str | None = None, device: str | None = None, share_gpus: 
     """
     first = not hvd.is_initialized()
     w = _horovod.init("tensorflow", timeline)[1]
+    if _horovod.collectives() is not None:
+        tracking.install(_horovod.collectives())  # the watchdog then names the eager collective a rank waits in
     _check_keras_backend(w.rank)
     if first or device is not None:
         _place(w, _devices.request(device, share_gpus))

@@ -249,11 +249,16 @@ def _pipeline(framework: str, args, rounds: int, raw_env: dict) -> dict:
             print(f"[bench] {framework} input pipeline np={np_} ...", file=sys.stderr, flush=True)
             cmd = _launch("hvdp", np_, "pipeline_worker.py", ["--framework", framework, "--dir", directory,
                                                               "--samples", str(samples), "--reps", str(reps)], raw_env)
-            rates = _run(cmd, raw_env, timeout=900)[0]["samples_per_sec_per_rank"]
+            result = _run(cmd, raw_env, timeout=900)[0]
+            rates = result["samples_per_sec_per_rank"]
             ratios = [a / b for a, b in zip(rates["hvdp"], rates["hand"])]
             out[str(np_)] = {"samples_per_sec_per_rank": {k: statistics.median(v) for k, v in rates.items()},
                              "reps_per_rank": rates, "hvdp_vs_hand": statistics.median(ratios),
                              "hvdp_vs_hand_per_rep": ratios}
+            if "startup_s" in result:  # PyTorch: each epoch's start-up, and the first one (workers started)
+                out[str(np_)].update({"startup_s": {k: statistics.median(v) for k, v in result["startup_s"].items()},
+                                      "startup_s_per_rep": result["startup_s"],
+                                      "first_startup_s": result["first_startup_s"]})
     return {"framework": framework, "samples": samples, "by_np": out}
 
 
@@ -379,6 +384,11 @@ def _print(report: dict) -> None:
             reps = ", ".join(f"{x:.3f}" for x in m["hvdp_vs_hand_per_rep"])
             print(f"  np={np_}: hvdp {rates['hvdp']:.0f}  hand {rates['hand']:.0f}  hvdp_vs_hand = "
                   f"{m['hvdp_vs_hand']:.3f}  (reps: {reps})")
+            for impl in (k for k in rates if k not in ("hvdp", "hand")):
+                print(f"    {impl} {rates[impl]:.0f}")
+            if "startup_s" in m:
+                print("    epoch start-up, s to the first batch (median of later epochs; first epoch): " + ", ".join(
+                    f"{k} {v:.3f} ({m['first_startup_s'][k]:.2f})" for k, v in m["startup_s"].items()))
     if "allreduce" in report:
         a = report["allreduce"]
         print(f"\nallreduce busbw (GB/s), np={a['np']}; memcpy {a['memcpy_GBps']:.2f} GB/s alone, "

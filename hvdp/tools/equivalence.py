@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from hvdp._horovod import gather_or_raise
 from hvdp.core.scaling import lr_multiplier
 from hvdp.core.sharding import ShardPlan
 
@@ -119,8 +120,9 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     except DivergenceError:
         identical = False
 
-    diff = None
-    if reference is not None:
+    def reference_diff():  # rank 0 alone: one process with the global batch, from the same initial weights
+        if reference is None:
+            return None
         ref_opt = make_optimizer(reference.parameters(), lr * lr_multiplier(
             "linear", world.size, backward_passes_per_step=accumulate))
         plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed, shuffle=stream is None)
@@ -131,9 +133,11 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
             ref_scale.step(ref_opt)
             ref_scale.update()
             ref_opt.zero_grad()
-        diff = max(float((a - b).abs().max()) for a, b in zip(model.state_dict().values(),
+        return max(float((a - b).abs().max()) for a, b in zip(model.state_dict().values(),
                                                               reference.state_dict().values()))
-    diff = ht.hvd.broadcast_object(diff, root_rank=0, name="hvdp.verify.diff")
+
+    # An error in rank 0's reference run is raised on every rank (the others would wait for its result).
+    diff = gather_or_raise(ht.hvd, reference_diff, name="hvdp.verify.diff", operation="hvdp verify")[0]
     return {"rank": world.rank, "size": world.size, "framework": "torch", "optimizer": optimizer,
             "steps": steps + (1 if leftover else 0), "accumulate": accumulate, "leftover": leftover,
             "compile": compile, "amp": amp, "stream": stream, "device": str(where),
@@ -142,12 +146,26 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
 
 def _pair_stream(x, y):
     """(x[i], y[i]) for i in order, as a stream: an IterableDataset without len()."""
+    return __getattr__("_PairStream")(x, y)
+
+
+def __getattr__(name: str):
+    # _PairStream is made on first use (this module imports torch only when the torch experiment runs), and
+    # found by name, as pickle finds it in the DataLoader's worker processes that shard() starts by forkserver.
+    if name != "_PairStream":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import torch
 
-    class PairStream(torch.utils.data.IterableDataset):
+    class _PairStream(torch.utils.data.IterableDataset):
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
         def __iter__(self):
-            return zip(x, y)
-    return PairStream()
+            return zip(self.x, self.y)
+
+    _PairStream.__module__, _PairStream.__qualname__ = __name__, "_PairStream"
+    globals()["_PairStream"] = _PairStream
+    return _PairStream
 
 
 def _keras_setup(framework: str, *, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float,
@@ -196,13 +214,15 @@ def _keras_result(framework, world, model, reference, x, y, n, *, batch_size, ac
         identical = True
     except DivergenceError:
         identical = False
-    diff = None
-    if reference is not None:
+    def reference_diff():  # rank 0 alone; an error there is raised on every rank
+        if reference is None:
+            return None
         plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed)
         for idx in plan.batches(epoch=0):
             replay(x[idx], y[idx])
-        diff = max(float(np_.max(np_.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights()))
-    diff = htf.hvd.broadcast_object(diff, root_rank=0, name="hvdp.verify.diff")
+        return max(float(np_.max(np_.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights()))
+
+    diff = gather_or_raise(htf.hvd, reference_diff, name="hvdp.verify.diff", operation="hvdp verify")[0]
     return {"rank": world.rank, "size": world.size, "framework": framework, "optimizer": optimizer,
             "steps": steps + (1 if leftover else 0), "accumulate": accumulate, "leftover": leftover,
             "max_abs_diff": diff, "replicas_identical": identical}

@@ -20,7 +20,7 @@ Horovod is missing or was built without PyTorch.
 
 The adapter, one module per concern: runtime (init, world, device, log), optimizer (prepare, the LR
 hooks), weights (an epoch's uneven last step), data and streams (shard), collectives, evaluation, checkpoint,
-compiled (compile), sync_batchnorm, elastic.
+compiled (compile), sync_batchnorm, elastic, preemption (preempted, exit_for_requeue).
 """
 
 from hvdp.core.errors import HvdpError
@@ -32,8 +32,10 @@ from hvdp.torch.sync_batchnorm import SyncBatchNorm
 from hvdp.torch.data import ShardSampler, shard
 from hvdp.torch.evaluation import evaluate
 from hvdp.torch.checkpoint import load_checkpoint, save_checkpoint
+from hvdp.torch.preemption import exit_for_requeue, preempted
 from hvdp.torch.elastic import ElasticState, elastic_run
 
 __all__ = ["init", "world", "device", "prepare", "compile", "broadcast", "current_lr", "shard", "ShardSampler",
            "barrier", "average", "evaluate", "log", "progress", "SyncBatchNorm", "check_consistency", "check_finite",
-           "save_checkpoint", "load_checkpoint", "ElasticState", "elastic_run", "HvdpError"]
+           "save_checkpoint", "load_checkpoint", "preempted", "exit_for_requeue", "ElasticState", "elastic_run",
+           "HvdpError"]

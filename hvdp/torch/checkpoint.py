@@ -14,7 +14,7 @@ from hvdp import _horovod
 from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import CheckpointError
 from hvdp.core.scaling import lr_multiplier
-from hvdp.torch.optimizer import _rescale_groups
+from hvdp.torch.optimizer import _rescale_groups, _rescale_scheduler_states
 from hvdp.torch.runtime import _plain, hvd
 
 
@@ -68,23 +68,26 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
     """
     model = _plain(model)
     ckpt.check_keep(keep)
-    rng = hvd.allgather_object(_rng_state(), name="hvdp.rng")  # every rank's RNG, so a resumed run continues exactly
+    # every rank's RNG, so a resumed run continues exactly (an error on one rank is raised on all)
+    rng = _horovod.gather_or_raise(hvd, _rng_state, name="hvdp.rng", operation="save_checkpoint")
     if hvd.rank() != 0:
         return _horovod.save_on_root(hvd, directory, "", None, keep)
     schedule = getattr(optimizer, "hvdp_schedule", None)
-    payload = {
-        "hvdp": ckpt.make_meta(framework="torch", step=global_step, epoch=epoch, world_size=hvd.size(),
-                               model_fingerprint=_fingerprint(model)),
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "position": {"epoch": int(epoch), "step": int(step),
-                     "optimizer_steps": schedule.step if schedule else 0,
-                     "lr_multiplier": schedule.multiplier if schedule else 1.0},
-        "rng": rng,
-        "extra": extra,
-    }
-    return _horovod.save_on_root(hvd, directory, ckpt.checkpoint_name(global_step, "pt"),
-                                 lambda f: torch.save(payload, f), keep)
+
+    def write(f):  # inside save_on_root's error handling: whatever fails on rank 0 is raised on every rank
+        torch.save({
+            "hvdp": ckpt.make_meta(framework="torch", step=global_step, epoch=epoch, world_size=hvd.size(),
+                                   model_fingerprint=_fingerprint(model)),
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "position": {"epoch": int(epoch), "step": int(step),
+                         "optimizer_steps": schedule.step if schedule else 0,
+                         "lr_multiplier": schedule.multiplier if schedule else 1.0},
+            "rng": rng,
+            "extra": extra,
+        }, f)
+
+    return _horovod.save_on_root(hvd, directory, ckpt.checkpoint_name(global_step, "pt"), write, keep)
 
 
 def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -96,6 +99,11 @@ def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimi
     the saved epoch and step. Every rank must call it. The RNG states are restored when the world size is
     the one that saved the checkpoint.
 
+    The learning rates resume at this world's scale (hvdp.core.scaling.learning_rate): the param groups'
+    (with the initial_lr, max_lr and min_lr torch's schedulers keep there), and those of every LR scheduler
+    state_dict() saved among the extras (base_lrs, the last rates, CyclicLR's max_lrs), so that
+    `scheduler.load_state_dict(resumed["scheduler"])` continues the schedule at this world's rate.
+
     Args:
         directory: the checkpoint directory; None, a missing directory or one without checkpoints: nothing
             to resume, returns None.
@@ -104,7 +112,8 @@ def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimi
         loader: the DataLoader shard() returned, to resume its data order (default None: left as it is).
 
     Returns:
-        {"epoch", "step", "global_step", **extra} as saved, or None when there is no checkpoint.
+        {"epoch", "step", "global_step", **extra} as saved (LR schedulers' rates rescaled), or None when there
+        is no checkpoint.
 
     Raises:
         CheckpointError: the newest file is corrupt, truncated, not hvdp's, from another framework or model;
@@ -118,23 +127,27 @@ def load_checkpoint(directory: str | Path | None, model: torch.nn.Module, optimi
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
     position = payload["position"]
+    extra = payload["extra"]
     schedule = getattr(optimizer, "hvdp_schedule", None)
     if schedule is not None:
         schedule.step = position["optimizer_steps"]
-        # The restored rates are base x the saved world's multiplier (older files lack it: recompute it
-        # from the saved world size with this job's rule); make them base x this world's.
+        # The restored rates are base x the multiplier of the world that saved them (older files lack it:
+        # recompute it from the saved world size with this job's rule): make them base x this world's, in the
+        # param groups and in any LR scheduler's state saved among the extras (which the caller loads after this).
         saved = position.get("lr_multiplier")
         if saved is None:
             saved = lr_multiplier(schedule.rule, payload["hvdp"]["world_size"],
                                   backward_passes_per_step=schedule.passes, op=schedule.op)
-        _rescale_groups(optimizer, saved, schedule.multiplier)
+        _rescale_groups(optimizer, saved, hvd.size())
+        if saved != schedule.multiplier:
+            extra = _rescale_scheduler_states(extra, saved, schedule)
     if payload["hvdp"]["world_size"] == hvd.size():
         _set_rng_state(payload["rng"][hvd.rank()])
     if loader is not None:
         target = loader if hasattr(loader, "set_position") else loader.batch_sampler
         target.set_position(position["epoch"], position["step"])
     return {"epoch": position["epoch"], "step": position["step"], "global_step": payload["hvdp"]["step"],
-            **payload["extra"]}
+            **extra}
 
 
 def _read(path: Path, model: torch.nn.Module, resharding_data: bool) -> dict:
@@ -154,6 +167,11 @@ def _read(path: Path, model: torch.nn.Module, resharding_data: bool) -> dict:
     if not isinstance(payload, dict):
         raise CheckpointError(f"{path} is not an hvdp checkpoint")
     meta = ckpt.check_meta(payload.get("hvdp"), path, framework="torch", model_fingerprint=_fingerprint(model))
+    missing = [k for k in ("model", "optimizer", "position", "rng", "extra") if k not in payload]
+    if missing:
+        raise CheckpointError(f"{path} has an hvdp header but no {', '.join(repr(k) for k in missing)} entry: it was "
+                              f"not written by hvdp.torch.save_checkpoint (or was edited); delete it to resume from "
+                              f"an older one")
     if resharding_data and meta["world_size"] != hvd.size() and payload["position"]["step"]:
         raise CheckpointError(
             f"the checkpoint was taken mid-epoch with {meta['world_size']} ranks and this job has {hvd.size()}: "

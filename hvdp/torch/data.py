@@ -6,14 +6,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.utils.data
 
+from hvdp import _horovod
+from hvdp._horovod import agree
+from hvdp.core.consistency import fingerprint_of, sample_positions
 from hvdp.core.errors import ConfigError
 from hvdp.core.sharding import ShardPlan, StreamSplit
+from hvdp.torch.collectives import _raw_bytes
 from hvdp.torch.runtime import hvd, init, world
 from hvdp.torch.streams import _stream
 from hvdp.torch.weights import _handing_out
+from hvdp.torch.workers import LOADING, STARTING_WORKERS, _configure
 
 
 class ShardSampler(torch.utils.data.Sampler):
@@ -102,6 +108,13 @@ def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool =
     over the loader is the next epoch (no set_epoch to forget); every rank gets the same number of batches.
     Calls init() if Horovod is not initialised yet.
 
+    Every rank must call it, with the same data and settings: they are compared across the ranks (one small
+    all-gather): batch_size, seed, shuffle, drop_last, the data's length and a fingerprint of its contents
+    (rows of a TensorDataset at fixed positions, the file list of a data set with `samples`, `imgs`, `files`
+    or `paths`, a Subset's indices; samples are never read through __getitem__). seed=rank, a per-node copy
+    with one file more, or a listing in another order is a ConfigError on every rank, naming the rank and
+    the value.
+
     A stream (a torch IterableDataset: WebDataset, a Hugging Face streaming dataset, a database cursor) is
     split the same way with the stream's own order as the epoch order: every rank and loader worker reads
     the whole stream, keeps its part, and applies `transform` to that part only. The ranks agree every few
@@ -122,7 +135,11 @@ def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool =
             loader workers (decoding, augmentation: the elements of other ranks are never transformed);
             default None. A map-style dataset transforms in its __getitem__ (it reads only this rank's).
         loader_kwargs: passed to torch.utils.data.DataLoader (num_workers, collate_fn, pin_memory...), but
-            not batch_size, shuffle or sampler; `generator` defaults to one seeded with seed + rank. A stream
+            not batch_size, shuffle or sampler; `generator` defaults to one seeded with seed + rank. With
+            num_workers > 0, `multiprocessing_context` defaults to forkserver (fork can deadlock in a rank
+            whose threads run), and persistent_workers to True for a map-style dataset (workers start once
+            per run); the dataset, collate_fn, worker_init_fn and transform must pickle, and the script must
+            keep its training code under `if __name__ == "__main__":` (each worker imports it). A stream
             refuses persistent_workers=True (the workers would keep the first epoch's position).
 
     Returns:
@@ -130,12 +147,16 @@ def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool =
         collated batches (its len() is known when the dataset has a len()).
 
     Raises:
-        ConfigError: batch_size < 1, fewer samples than ranks, or batch_size larger than each rank's share;
+        ConfigError: the ranks passed different settings or data (on every rank, naming the rank and the
+            value); batch_size < 1, fewer samples than ranks, or batch_size larger than each rank's share;
             a map-style dataset without len(); `transform` with a map-style dataset; persistent_workers with
-            a stream. For a stream the sample counts are checked as it is read, on every rank.
+            a stream; with num_workers > 0, an object the workers cannot receive (named), or a script that
+            started Horovod at its unguarded top level (the line named). For a stream the sample counts are
+            checked as it is read, on every rank.
     """
     w = world() if hvd.is_initialized() else init()
     if isinstance(dataset, torch.utils.data.IterableDataset):
+        _agree(dataset, batch_size=batch_size, seed=seed, drop_last=drop_last)
         return _stream(dataset, StreamSplit(batch_size=batch_size, rank=w.rank, size=w.size, drop_last=drop_last),
                        transform, seed, loader_kwargs)
     if transform is not None:
@@ -147,11 +168,14 @@ def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool =
         raise ConfigError(f"shard() needs len(dataset) for a map-style dataset; {type(dataset).__name__} has "
                           f"none: give it a __len__, or make it a torch.utils.data.IterableDataset (a stream)",
                           rank=w.rank) from None
+    _agree(dataset, batch_size=batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
     plan = ShardPlan(n=len(dataset), batch_size=batch_size, rank=w.rank, size=w.size, seed=seed,
                      shuffle=shuffle, drop_last=drop_last)
     # Its own generator: a DataLoader otherwise draws from the global RNG at every epoch start, which
     # would make a resumed run's dropout masks differ from an uninterrupted one's.
     loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed + w.rank))
+    # Workers started by forkserver, once per run: the sampler is here, so a kept worker needs nothing new.
+    _configure(loader_kwargs, {"dataset": dataset}, persistent=True)
     return _ShardLoader(dataset, batch_sampler=ShardSampler(plan), **loader_kwargs)
 
 
@@ -161,8 +185,59 @@ class _ShardLoader(torch.utils.data.DataLoader):
     loop receives is the batch it trains on."""
 
     def __iter__(self):
-        yield from _handing_out(self.batch_sampler, enumerate(super().__iter__()))
+        before = _horovod.enter(STARTING_WORKERS) if self.num_workers else None
+        try:
+            batches = super().__iter__()  # starts the workers (the first time only, when they persist)
+        finally:
+            _horovod.leave(before)
+        yield from _handing_out(self.batch_sampler, enumerate(_horovod.watched(batches, LOADING)))
 
     def set_position(self, epoch: int, step: int = 0) -> None:
         """Make the next iteration run `epoch` from batch `step` (load_checkpoint calls it)."""
         self.batch_sampler.set_position(epoch, step)
+
+
+def _agree(dataset, **settings) -> None:
+    """Raise ConfigError on every rank, naming the rank and the value, unless every rank passed shard() the
+    same settings and a dataset of the same length and fingerprint (one small all-gather per loader)."""
+    def mine() -> dict:
+        try:
+            samples = len(dataset)
+        except TypeError:  # a stream without len()
+            samples = None
+        return {**settings, "samples": samples, "fingerprint": _data_fingerprint(dataset)}
+
+    agree(hvd, mine, call="shard()")
+
+
+# Attributes that hold a data set's file list (torchvision's DatasetFolder/ImageFolder: samples, imgs).
+_FILE_LISTS = ("samples", "imgs", "files", "paths", "file_list")
+
+
+def _data_fingerprint(dataset) -> str:
+    """A digest of what identifies `dataset` without reading its samples through __getitem__ (which may
+    decode or augment at random): the rows of in-memory tensors at a few fixed positions, a file list, the
+    indices of a Subset, the parts of a ConcatDataset. "" for a data set hvdp cannot look into (then only its
+    length is compared)."""
+    parts: list[bytes] = []
+
+    def visit(d) -> None:
+        if isinstance(d, torch.utils.data.TensorDataset):
+            for t in d.tensors:
+                parts.append(repr((tuple(t.shape), str(t.dtype))).encode())
+                parts.extend(_raw_bytes(t[i]) for i in sample_positions(len(t)))
+        elif isinstance(d, torch.utils.data.Subset):
+            parts.append(np.asarray(d.indices, dtype=np.int64).tobytes())
+            visit(d.dataset)
+        elif isinstance(d, torch.utils.data.ConcatDataset):
+            for part in d.datasets:
+                visit(part)
+        else:
+            for attr in _FILE_LISTS:
+                files = getattr(d, attr, None)
+                if isinstance(files, (list, tuple)):
+                    parts.append(repr(list(files)).encode())
+                    break
+
+    visit(dataset)
+    return fingerprint_of(parts) if parts else ""

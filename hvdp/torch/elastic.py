@@ -10,7 +10,6 @@ import torch
 
 from hvdp import _horovod
 from hvdp.core.errors import ConfigError
-from hvdp.core.scaling import lr_multiplier
 from hvdp.torch.checkpoint import _ARRAYS, _into
 from hvdp.torch.data import ShardSampler
 from hvdp.torch.optimizer import _rescale_groups
@@ -34,9 +33,10 @@ class ElasticState(ObjectState):
 
     `optimizer` comes from prepare() and `loader` from shard(). Each optimizer step records the batches
     it trained on, so a commit holds the exact offset into the epoch's order; after a reset the ranks there
-    are then split the rest of the epoch, and no sample is skipped or seen twice. sync() (run by
-    elastic_run after every reset) broadcasts everything from rank 0 and rescales the learning rate to the
-    new world size by the rule given to prepare().
+    are then split the rest of the epoch, and no sample is skipped or seen twice. A step that GradScaler
+    skips counts too: its batches were trained on. After every reset, reset() rescales the learning rate to
+    the new world size by the rule given to prepare() (also when Horovod skips sync() because hosts were only
+    removed), and sync() broadcasts everything from rank 0.
 
     Args:
         model: the module being trained.
@@ -78,7 +78,7 @@ class ElasticState(ObjectState):
         s = self.optimizer.hvdp_schedule
         return {"model": copy.deepcopy(self.model.state_dict()),
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "schedule": (s.step, s.multiplier), "position": self.sampler.position()}
+                "schedule": (s.step, s.size), "position": self.sampler.position()}
 
     def save(self) -> None:
         """Snapshot model, optimizer, schedule and data position in memory (state.commit() calls it)."""
@@ -91,13 +91,17 @@ class ElasticState(ObjectState):
         self.model.load_state_dict(snap["model"])
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         s = self.optimizer.hvdp_schedule
-        s.step, s.multiplier = snap["schedule"]
-        s.depth, s.saved = 0, ()  # a step that raised never ran its post-step hook
+        s.step, s.size = snap["schedule"]  # the restored rates are scaled for the world of the snapshot
+        s.fresh = False  # gradients of a step that raised
         self.sampler.resume(*snap["position"])
         super().restore()
 
     def reset(self) -> None:
-        """Make the loader's next iteration start where training is (Horovod calls it after a reset)."""
+        """Rescale the learning rate to the world there is now and make the loader's next iteration start
+        where training is (Horovod calls it after every reset, before sync() or instead of it)."""
+        # Horovod skips sync() when hosts were only removed (HostsUpdatedInterrupt(skip_sync=True)): the
+        # rates must follow the new world size here, not in sync().
+        _rescale_groups(self.optimizer, self.optimizer.hvdp_schedule.multiplier, hvd.size())
         # After a reset the next iteration starts where training is, not at the next epoch.
         self.sampler.resume(*self.sampler.position())
 
@@ -119,9 +123,8 @@ class ElasticState(ObjectState):
             name="hvdp.elastic.sync", into=_into(None, self.optimizer))
         opt_state, (step, multiplier), position = synced["optimizer"], synced["schedule"], synced["position"]
         self.optimizer.load_state_dict(opt_state)
-        s.multiplier = lr_multiplier(s.rule, hvd.size(), backward_passes_per_step=s.passes, op=s.op)
-        _rescale_groups(self.optimizer, multiplier, s.multiplier)
-        s.step = step
+        _rescale_groups(self.optimizer, multiplier, hvd.size())  # rank 0's rates, for this world
+        s.step, s.fresh = step, False
         self.sampler.resume(*position)
         super().sync()
         self._snapshot = self._take()  # what a failure before the next commit rolls back to

@@ -1,47 +1,83 @@
-"""evaluate(): a classifier's loss and accuracy over a dataset, every sample counted exactly once."""
+"""evaluate(): a model's mean loss and metrics (a classifier's accuracy by default) over a dataset, every
+sample counted exactly once."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.utils.data
 
-from hvdp.core.sharding import eval_bounds, eval_metrics
+from hvdp import _horovod
+from hvdp._horovod import gather_or_raise
+from hvdp.core.sharding import eval_bounds, eval_means
 from hvdp.torch.runtime import _module_device, hvd, world
+
+
+def _correct(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A classifier's correct predictions in a batch: argmax over the logits (dim 1) equal to the label."""
+    return (out.argmax(1) == y).sum()
+
+
+_CLASSIFIER = {"accuracy": _correct}
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch_size: int = 256,
-             loss_fn=torch.nn.functional.cross_entropy) -> dict[str, float]:
-    """Loss and accuracy of a classifier over `dataset`, counting every sample exactly once on any world size.
+             loss_fn=torch.nn.functional.cross_entropy, metrics: dict[str, Callable] | None = None) -> dict[str, float]:
+    """Mean loss (and, for a classifier, accuracy) over `dataset`, counting every sample exactly once on any world size.
 
-    Each rank scores a contiguous, unpadded slice; the sums are all-reduced. Every rank must call it, with
-    the same dataset. Runs under torch.no_grad() with the model in eval mode, then restores its mode; the
-    batches go to the model's device (its first parameter's: the rank's GPU when it is there).
+    By default it scores a classifier: loss_fn is the cross-entropy of the logits and "accuracy" the fraction
+    whose argmax(1) is the label. For any other model pass its loss_fn and your own `metrics` (or none):
+    `evaluate(model, data, loss_fn=F.mse_loss, metrics={})`, or
+    `metrics={"mae": lambda out, y: (out - y).abs().sum()}`. Each rank scores a contiguous, unpadded slice;
+    the sums are gathered and added. Every rank must call it, with the same dataset. Runs under
+    torch.no_grad() with the model in eval mode, then restores its mode; the batches go to the model's device
+    (its first parameter's: the rank's GPU when it is there).
 
     Args:
-        model: a classifier: model(x) returns logits of shape (N, classes); accuracy uses argmax(1).
+        model: model(x) gives the output that loss_fn and the metrics take (a classifier: logits (N, classes)).
         dataset: a map-style dataset of (x, y) pairs, the same on every rank.
         batch_size: samples per forward pass on each rank (default 256).
-        loss_fn: called as loss_fn(logits, y, reduction="sum") (default torch's cross_entropy).
+        loss_fn: called as loss_fn(out, y, reduction="sum"): the batch's summed loss (default torch's
+            cross_entropy).
+        metrics: name -> fn(out, y) giving the batch's sum of that metric (a number or a one-element tensor);
+            each is reported as its mean per sample. Default None: {"accuracy": correct argmax predictions}.
 
     Returns:
-        {"loss": mean loss, "accuracy": fraction correct, "samples": len(dataset)}, the same on every rank.
+        {"loss": mean loss, each metric's mean, "samples": len(dataset)}, the same on every rank.
 
     Raises:
         ConfigError: `dataset` is empty (on every rank).
+        RankError: the model or the data raised on some rank (on every rank, naming it and the exception;
+            the failed rank's own hvdp error class instead when it raised one).
     """
     w = world()
+    metrics = _CLASSIFIER if metrics is None else dict(metrics)
     start, stop = eval_bounds(len(dataset), w.rank, w.size)
     subset = torch.utils.data.Subset(dataset, range(start, stop))
     was_training = model.training
-    model.eval()
     where = _module_device(model)  # the batches go where the model is (the rank's GPU)
-    sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
-    for x, y in torch.utils.data.DataLoader(subset, batch_size=batch_size, pin_memory=where.type == "cuda"):
-        x, y = x.to(where, non_blocking=True), y.to(where, non_blocking=True)
-        out = model(x)
-        sums += torch.tensor([float(loss_fn(out, y, reduction="sum")),
-                              float((out.argmax(1) == y).sum()), len(y)], dtype=torch.float64)
-    model.train(was_training)
-    total = hvd.allreduce(sums, op=hvd.Sum, name="hvdp.evaluate").tolist()
-    return eval_metrics(*total, rank=w.rank)
+
+    def score() -> list[float]:
+        model.eval()
+        try:
+            sums = torch.zeros(len(metrics) + 2, dtype=torch.float64)  # count, loss sum, each metric's sum
+            for x, y in torch.utils.data.DataLoader(subset, batch_size=batch_size, pin_memory=where.type == "cuda"):
+                x, y = x.to(where, non_blocking=True), y.to(where, non_blocking=True)
+                out = model(x)
+                sums += torch.tensor([len(y), float(loss_fn(out, y, reduction="sum")),
+                                      *(float(fn(out, y)) for fn in metrics.values())], dtype=torch.float64)
+            return sums.tolist()
+        finally:
+            model.train(was_training)
+
+    # Each rank's sums gathered (an error on one rank, a bad sample or out of memory, raised on all), then
+    # added in rank order: the same total on every rank.
+    before = _horovod.enter("evaluating (hvdp.torch.evaluate)")  # where this rank is, for the watchdog
+    try:
+        gathered = gather_or_raise(hvd, score, name="hvdp.evaluate", operation="hvdp.torch.evaluate")
+    finally:
+        _horovod.leave(before)
+    count, loss, *totals = (sum(column) for column in zip(*gathered))
+    return eval_means({"loss": loss, **dict(zip(metrics, totals))}, count, rank=w.rank)

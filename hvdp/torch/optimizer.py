@@ -1,5 +1,6 @@
-"""prepare(): the learning-rate scaling and warmup, Horovod's DistributedOptimizer, the step hooks and
-current_lr(); _rescale_groups for a resumed or resized run."""
+"""prepare(): the learning-rate scaling and warmup (hvdp.core.scaling.learning_rate), Horovod's
+DistributedOptimizer, the step() and synchronize() that apply the warmup and count steps, current_lr();
+_rescale_groups and _rescale_scheduler_states for a resumed or resized run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from hvdp import _horovod
 from hvdp.core.errors import ConfigError
-from hvdp.core.scaling import lr_multiplier, rescale_lr, warmup_factor
+from hvdp.core.scaling import learning_rate, lr_multiplier
 from hvdp.core.watchdog import WAITING
 from hvdp.core.world import elastic
 from hvdp.torch.collectives import _check_same_model, broadcast
@@ -21,21 +22,40 @@ from hvdp.torch.weights import _Batch, _gradient_hook
 
 _OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
 _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+# The rates a param group can hold: its own, and those torch's schedulers keep beside it (initial_lr, from which
+# they compute; OneCycleLR's max_lr and min_lr). All are scaled for the world the group is in.
+_GROUP_RATES = ("lr", "initial_lr", "max_lr", "min_lr")
 
 
 @dataclass(slots=True)
 class _Schedule:
-    """The LR scaling attached to a prepared optimizer; `step` counts optimizer steps taken."""
+    """The LR scaling attached to a prepared optimizer (hvdp.core.scaling.learning_rate's arguments).
 
-    multiplier: float
+    The param groups hold the rate scaled for `size` ranks after any warmup; each step() applies the warmup
+    around the call. `step` counts optimizer steps taken.
+    """
+
+    rule: str
+    op: str
+    passes: int             # backward passes (batches) per optimizer step
     warmup_steps: int
-    rule: str = "linear"
-    passes: int = 1         # backward passes (batches) per optimizer step
-    op: str = "average"
+    size: int               # the world the param groups' rates are scaled for
     step: int = 0
-    on_step: Any = None     # called with `passes` after each step (an ElasticState counting batches)
-    depth: int = 0          # step() nests (Horovod's step calls the base step): act on the outer one
-    saved: tuple = ()
+    on_step: Any = None     # called with `passes` once per optimizer step, taken or skipped (an ElasticState)
+    fresh: bool = False     # gradients arrived since on_step was last called
+
+    @property
+    def multiplier(self) -> float:
+        """The multiplier the param groups' rates carry (lr_multiplier of this schedule's world)."""
+        return lr_multiplier(self.rule, self.size, backward_passes_per_step=self.passes, op=self.op)
+
+    def rate(self, lr, *, step: int | None = None, size: int | None = None, scaled_by: float | None = None):
+        """`lr`, carrying `scaled_by` (default: this schedule's multiplier), as the rate for `size` ranks (default:
+        this schedule's) at optimizer `step` (default None: after the warmup)."""
+        return learning_rate(lr, 0 if step is None else step, rule=self.rule, size=self.size if size is None else size,
+                             backward_passes_per_step=self.passes, op=self.op,
+                             warmup_steps=0 if step is None else self.warmup_steps,
+                             scaled_by=self.multiplier if scaled_by is None else scaled_by)
 
 
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scaling: str = "linear",
@@ -43,8 +63,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
             backward_passes_per_step: int = 1, sync_batchnorm: bool = False) -> torch.optim.Optimizer:
     """Make `optimizer` data-parallel; return the optimizer to use from now on.
 
-    - scales every param group's learning rate by the rule (see hvdp.core.scaling) and, with
-      `warmup_steps`, ramps it from the base rate over that many optimizer steps;
+    - scales every param group's learning rate by the rule (hvdp.core.scaling.learning_rate; the table in
+      docs/pytorch.md) and, with `warmup_steps`, ramps the effective rate from the base rate over that many
+      optimizer steps, whatever the op (each step() applies the ramp around the call);
     - wraps it in Horovod's DistributedOptimizer (gradients averaged across ranks, fp16 compression or
       Adasum when asked); with `backward_passes_per_step=k` gradients of k backward passes are averaged
       (not summed), so k passes of batch b equal one pass of batch k*b;
@@ -62,7 +83,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
         optimizer: a torch optimizer over `model`'s parameters, with the base learning rate (the one tuned
             for the per-rank batch on one process). Its param groups are scaled in place.
         lr_scaling: "linear" (default: x size*k), "sqrt" (x sqrt(size*k)) or "none"; ignored with "adasum".
-        warmup_steps: optimizer steps over which the rate ramps from the base to the scaled one (default 0).
+        warmup_steps: optimizer steps over which the effective rate ramps from the base to the scaled one
+            (default 0).
         compression: "none" (default) or "fp16" (gradients sent as float16).
         op: the gradient reduction: "average" (default), "sum", or "adasum" (needs the MPI controller).
         backward_passes_per_step: k >= 1 (default 1): backward passes accumulated per optimizer step.
@@ -90,17 +112,19 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     if op == "adasum" and hvd.size() > 1 and not hvd.mpi_enabled():
         raise ConfigError("op='adasum' needs Horovod's MPI controller, and this job runs on Gloo: launch "
                           "with `horovodrun` without --gloo (or mpirun), or use op='average'", rank=hvd.rank())
+    schedule = _Schedule(rule=lr_scaling, op=op, passes=backward_passes_per_step, warmup_steps=warmup_steps,
+                         size=hvd.size())
+    schedule.rate(1.0, scaled_by=1.0)  # an unknown lr_scaling: a ConfigError before anything is changed
     if sync_batchnorm:
         _convert_sync_batchnorm(model)
-    multiplier = lr_multiplier(lr_scaling, hvd.size(), backward_passes_per_step=backward_passes_per_step, op=op)
     for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * multiplier
+        group["lr"] = schedule.rate(group["lr"], scaled_by=1.0)  # the base rate, scaled for this world
     # Each gradient is divided by k (k passes are averaged) and weighted at an epoch's uneven end (see
     # _Batch). A model prepared again (a new optimizer, a new k) must not keep the old hooks: they would compound.
     for handle in getattr(model, "_hvdp_accumulation_hooks", ()):
         handle.remove()
-    _Batch.lookahead = max(_Batch.lookahead, backward_passes_per_step)
-    model._hvdp_accumulation_hooks = [p.register_hook(_gradient_hook(backward_passes_per_step))
+    _Batch.accumulating(backward_passes_per_step)
+    model._hvdp_accumulation_hooks = [p.register_hook(_gradient_hook(backward_passes_per_step, schedule))
                                       for p in model.parameters() if p.requires_grad]
     dist = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), compression=_COMPRESSIONS[compression],
@@ -108,12 +132,13 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     if not elastic():
         _check_same_model(model)
         broadcast(model, dist)  # under elastic, ElasticState.sync() does it, with the ranks there are then
-    schedule = _Schedule(multiplier=multiplier, warmup_steps=warmup_steps, rule=lr_scaling,
-                         passes=backward_passes_per_step, op=op)
     dist.hvdp_schedule = schedule
+    # Instance attributes, so that only the outer calls act: Horovod's step() calls the wrapped optimizer's
+    # class step() (Adasum once per parameter, during the backward pass), and its step() calls synchronize().
     dist.zero_grad = types.MethodType(_zero_grad, dist)
-    dist.register_step_pre_hook(_pre_step_hook)
-    dist.register_step_post_hook(_post_step_hook)
+    dist.step = types.MethodType(_step, dist)
+    if op != "adasum":  # Adasum's synchronize() does nothing; its step() reduces
+        dist.synchronize = types.MethodType(_synchronize, dist)
     return dist
 
 
@@ -126,31 +151,38 @@ def _zero_grad(optimizer, set_to_none: bool = True):
     return torch.optim.Optimizer.zero_grad(optimizer, set_to_none=set_to_none)
 
 
-def _pre_step_hook(optimizer, args, kwargs):
-    # Horovod's step() calls the wrapped optimizer's step(), which runs the hooks again: act on the outer call.
+def _step(optimizer, *args, **kwargs):
+    """Horovod's step() at this step's rate (the warmup applied around it); counts the step."""
     s = optimizer.hvdp_schedule
-    if s.depth == 0:
-        _horovod.progress(s.step, WAITING)
-        factor = warmup_factor(s.step, s.warmup_steps, s.multiplier)
-        if factor != 1.0:
-            s.saved = tuple(g["lr"] for g in optimizer.param_groups)
-            for g in optimizer.param_groups:
-                g["lr"] = g["lr"] * factor
-    s.depth += 1
-
-
-def _post_step_hook(optimizer, args, kwargs):
-    s = optimizer.hvdp_schedule
-    s.depth = max(0, s.depth - 1)
-    if s.depth:
-        return
-    for g, lr in zip(optimizer.param_groups, s.saved):
-        g["lr"] = lr
-    s.saved = ()
+    _horovod.progress(s.step, WAITING)
+    groups = optimizer.param_groups
+    kept = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = s.rate(g["lr"], step=s.step)
+    try:
+        result = type(optimizer).step(optimizer, *args, **kwargs)
+    finally:
+        for g, lr in zip(groups, kept):
+            g["lr"] = lr
     s.step += 1
-    if s.on_step is not None:
-        s.on_step(s.passes)
+    _counted(s)
     _horovod.progress(s.step, COMPUTING)
+    return result
+
+
+def _synchronize(optimizer):
+    """Horovod's synchronize() (the all-reduce of this step's gradients), then count the step: a step that
+    GradScaler skips after it never calls step(), yet its batches were trained on."""
+    type(optimizer).synchronize(optimizer)
+    _counted(optimizer.hvdp_schedule)
+
+
+def _counted(s: _Schedule) -> None:
+    # once per optimizer step, taken or skipped: when the step's gradients are reduced (or it is taken)
+    if s.fresh:
+        s.fresh = False
+        if s.on_step is not None:
+            s.on_step(s.passes)
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
@@ -161,10 +193,31 @@ def current_lr(optimizer: torch.optim.Optimizer) -> float:
     """
     s = getattr(optimizer, "hvdp_schedule", None)
     lr = optimizer.param_groups[0]["lr"]
-    return lr if s is None else lr * warmup_factor(s.step, s.warmup_steps, s.multiplier)
+    return lr if s is None else s.rate(lr, step=s.step)
 
 
-def _rescale_groups(optimizer: torch.optim.Optimizer, old_multiplier: float, new_multiplier: float) -> None:
-    # A restored param group holds base x the multiplier of the world it was saved in; this world's differs.
+def _rescale_groups(optimizer: torch.optim.Optimizer, scaled_by: float, size: int) -> None:
+    """Make the param groups' rates, scaled by `scaled_by` (for another world, or another rule or k), those of
+    prepare()'s schedule at `size` ranks; the schedule is then for `size` ranks."""
+    s = optimizer.hvdp_schedule
     for group in optimizer.param_groups:
-        group["lr"] = rescale_lr(group["lr"], old_multiplier, new_multiplier)
+        for key in _GROUP_RATES:
+            if isinstance(group.get(key), (float, int, torch.Tensor)) and not isinstance(group[key], bool):
+                group[key] = s.rate(group[key], size=size, scaled_by=scaled_by)
+    s.size = size
+
+
+def _rescale_scheduler_states(tree, scaled_by: float, schedule: _Schedule):
+    """`tree` (a checkpoint's extras) with every torch LR scheduler's state_dict() in it rescaled as the param
+    groups are: its base_lrs (from the groups' initial_lr), last rates, and CyclicLR's max_lrs."""
+    if isinstance(tree, dict):
+        if "last_epoch" in tree and ("base_lrs" in tree or "_last_lr" in tree):
+            tree = dict(tree)
+            for key in ("base_lrs", "_last_lr", "max_lrs"):
+                if isinstance(tree.get(key), (list, tuple)):
+                    tree[key] = [schedule.rate(v, scaled_by=scaled_by) if isinstance(v, (float, int, torch.Tensor))
+                                 else v for v in tree[key]]
+        return {k: _rescale_scheduler_states(v, scaled_by, schedule) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_rescale_scheduler_states(v, scaled_by, schedule) for v in tree]
+    return tree

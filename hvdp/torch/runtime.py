@@ -9,21 +9,24 @@ from typing import Any, Iterable
 
 import torch
 
-from hvdp import _horovod
+from hvdp import _horovod, _preemption
 from hvdp.core import devices as _devices
 from hvdp.core.errors import ConfigError
+from hvdp.core.watchdog import COMPUTING  # noqa: F401  (the phase between optimizer steps, for the watchdog)
 from hvdp.core.world import World
-
-COMPUTING = "computing its forward/backward pass"
+from hvdp.torch import tracking
 
 hvd = _horovod.import_horovod("torch")
 
 
-def init(*, timeline: str | None = None, device: str | None = None, share_gpus: bool | None = None) -> World:
+def init(*, timeline: str | None = None, device: str | None = None, share_gpus: bool | None = None,
+         preemption: bool | None = None) -> World:
     """Initialise Horovod (horovodrun, mpirun, or plain python as size 1) and return this process's World.
 
-    Every rank must call it (Horovod's init, the watchdog's address exchange and the CPU count are collective); a second
-    call returns the World again. Before Horovod starts, hvdp's runtime defaults (hvdp.core.tuning) are set
+    Every rank must call it the first time (Horovod's init, the watchdog's address exchange, the CPU count and
+    the GPU check are collective). A later call without `device` returns the World again and runs no
+    collective (one rank alone may make it); a later call with `device` places the ranks again, and every
+    rank must make it. Before Horovod starts, hvdp's runtime defaults (hvdp.core.tuning) are set
     where the environment lacks them, and for 2+ ranks the watchdog starts (unless HVDP_WATCHDOG=0 or
     elastic mode). Unless OMP_NUM_THREADS is set, each rank gets an equal share of the CPUs it may use (its
     affinity and cgroup quota, split among the ranks on its host that share them; hvdp.core.cpus) for
@@ -41,6 +44,9 @@ def init(*, timeline: str | None = None, device: str | None = None, share_gpus: 
             HVDP_DEVICE, else "auto".
         share_gpus: allow several ranks on one GPU (default None: HVDP_SHARE_GPUS=1, else False: an error
             naming the ranks when a host has more ranks than GPUs).
+        preemption: True: SIGTERM and SIGUSR1 (HVDP_PREEMPT_SIGNALS) no longer end the rank once the loop
+            has called preempted(); they make preempted() true on every rank at the same step (see
+            hvdp.torch.preemption). False: the signals' usual action. Default None: HVDP_PREEMPTION=1, else False.
 
     Returns:
         This process's World (rank, size, local_rank, local_size).
@@ -48,11 +54,15 @@ def init(*, timeline: str | None = None, device: str | None = None, share_gpus: 
     Raises:
         SetupError: launched by mpirun or horovodrun's MPI mode, but Horovod was built without MPI.
         ConfigError: a malformed HVDP_SHM_*, HVDP_WATCHDOG_TIMEOUT, HVDP_DEVICE or HVDP_SHARE_GPUS; a device
-            that cannot be had, or ranks sharing a GPU unasked (on every rank).
+            that cannot be had, or ranks sharing a GPU unasked (on every rank); a malformed HVDP_PREEMPT_* or
+            HVDP_PREEMPTION, or preemption outside the main thread or in elastic mode.
     """
     global _device
     first = not hvd.is_initialized()
     w = _horovod.init("torch", timeline)[1]
+    _preemption.enable(preemption, w)
+    if _horovod.collectives() is not None:
+        tracking.install(_horovod.collectives())  # the watchdog then names the collective each rank waits in
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(_horovod.threads())
     if first or device is not None or _device is None:

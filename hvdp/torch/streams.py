@@ -8,10 +8,12 @@ import itertools
 import torch
 import torch.utils.data
 
+from hvdp import _horovod
 from hvdp.core.errors import ConfigError, DataError
 from hvdp.core.sharding import StreamSplit, exact_weight, real_count
 from hvdp.torch.runtime import hvd
 from hvdp.torch.weights import _Batch, _handing_out
+from hvdp.torch.workers import LOADING, STARTING_WORKERS, _configure
 
 # A stream's ranks agree on how far they have read once per this many batches (one small allgather).
 _STREAM_WINDOW = 8
@@ -24,6 +26,9 @@ def _stream(dataset, split: StreamSplit, transform, seed: int, loader_kwargs: di
     if loader_kwargs.get("persistent_workers"):
         raise ConfigError("shard() of a stream refuses persistent_workers=True: the workers would keep the first "
                           "epoch's position (each epoch starts the stream's workers again); leave it out")
+    # Workers started by forkserver every epoch: a kept worker would keep the position and set_epoch of the
+    # epoch it started in (each iteration hands the workers a new start step).
+    _configure(loader_kwargs, {"dataset": dataset, "transform": transform}, persistent=False)
     collate = loader_kwargs.pop("collate_fn", None) or torch.utils.data.default_collate
     loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed + split.rank))
     return _StreamLoader(_RankStream(dataset, split, transform, collate), **loader_kwargs)
@@ -97,14 +102,19 @@ class _StreamLoader(torch.utils.data.DataLoader):
             self.dataset.dataset.set_epoch(epoch)
         self.dataset.start_step = start  # the workers take a copy of it as the iteration starts them
         steps = _StreamSteps(self.dataset.split)
-        yield from _handing_out(steps, self._batches(steps, super().__iter__(), epoch, start))
+        before = _horovod.enter(STARTING_WORKERS) if self.num_workers else None
+        try:
+            source = super().__iter__()
+        finally:
+            _horovod.leave(before)
+        yield from _handing_out(steps, self._batches(steps, _horovod.watched(source, LOADING), epoch, start))
 
     def _batches(self, steps: _StreamSteps, source, epoch: int, start: int):
-        window = max(_STREAM_WINDOW, _Batch.lookahead)
+        window = max(_STREAM_WINDOW, *_Batch.passes)
         ready, ended, index = [], False, 0
         while True:
             # read ahead until the step group of the next batch is known (its gradient weights need it)
-            group_end = (index // _Batch.lookahead + 1) * _Batch.lookahead
+            group_end = _Batch.read_until(index)
             while not ended and len(steps.counts) < group_end:
                 read = list(itertools.islice(source, window))
                 ended = len(read) < window

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from hvdp.torch.runtime import hvd
+from hvdp.torch.weights import _Batch
 
 
 class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
@@ -13,8 +14,10 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
 
     Works on CPU and GPU (Horovod's own SyncBatchNorm is GPU-only). One all-reduce of (sum, sum of
     squares, count) per call; gradients flow back through it. In eval mode, before init() and in a world
-    of size 1 it is plain BatchNorm. Takes torch's BatchNorm arguments (num_features, eps, momentum,
-    affine, track_running_stats); prepare(sync_batchnorm=True) converts a model's BatchNorm layers.
+    of size 1 it is plain BatchNorm. A batch of shard()'s that only tops up an epoch's last global batch (a
+    repeated sample, weight 0) adds nothing to the statistics and passes no gradient back through them.
+    Takes torch's BatchNorm arguments (num_features, eps, momentum, affine, track_running_stats);
+    prepare(sync_batchnorm=True) converts a model's BatchNorm layers.
     """
 
     def _check_input_dim(self, x):
@@ -38,8 +41,15 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         # Statistics in float32 at least (a bf16/fp16 input under autocast would lose them to rounding), on
         # the input's device; the variance clamped at 0 (E[x^2] - E[x]^2 can round below it).
         xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        count = torch.tensor([x.numel() // channels], dtype=xf.dtype, device=x.device)
-        stats = hvd.allreduce(torch.cat([xf.sum(dims), (xf * xf).sum(dims), count]), op=hvd.Sum)
+        # A top-up batch (shard() repeats a sample so that no rank is empty-handed) weighs 0: it contributes
+        # zeros, and the statistics it is normalised with pass it no gradient, while every rank still takes
+        # part in the all-reduce and its backward.
+        top_up = _Batch.is_top_up()
+        count = torch.tensor([0 if top_up else x.numel() // channels], dtype=xf.dtype, device=x.device)
+        local = torch.cat([xf.sum(dims), (xf * xf).sum(dims), count])
+        stats = hvd.allreduce(local * 0 if top_up else local, op=hvd.Sum)
+        if top_up:
+            stats = stats.detach() + stats * 0
         n = stats[-1]
         mean = stats[:channels] / n
         var = (stats[channels:2 * channels] / n - mean * mean).clamp_min(0)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 
 class _Batch:
@@ -18,8 +18,26 @@ class _Batch:
 
     sampler = None  # the ShardSampler (or a stream's _StreamSteps) of the batch handed out last, or None
     index = 0       # that batch's index in the sampler's iteration
-    lookahead = 1   # the largest backward_passes_per_step prepared: how far a stream's loader reads ahead
+    passes = {1}    # every backward_passes_per_step prepared in this process (the same on every rank)
     _cached: tuple = (None, -1, 0, 1.0)
+
+    @classmethod
+    def accumulating(cls, passes: int) -> None:
+        """Record that prepare() set up hooks weighting steps of `passes` batches (a stream reads ahead for them)."""
+        cls.passes = cls.passes | {passes}
+
+    @classmethod
+    def read_until(cls, index: int) -> int:
+        """How many batches a stream's loader must have read before handing out batch `index`: up to the end of
+        its step for every k prepared, since each hook weights it by the sample counts of its own k-batch step.
+        A function of the prepare() calls alone, so every rank reads (and agrees on its reads) alike."""
+        return max((index // k + 1) * k for k in cls.passes)
+
+    @classmethod
+    def is_top_up(cls) -> bool:
+        """Whether the batch being trained on only tops up an epoch's last global batch (it has fewer samples
+        than ranks): a repeated sample whose gradient weighs 0 and that SyncBatchNorm must not count."""
+        return cls.sampler is not None and cls.sampler.gradient_weight(cls.index, 1) == 0.0
 
     @classmethod
     def factor(cls, passes: int) -> float:
@@ -31,8 +49,10 @@ class _Batch:
         return cls._cached[3]
 
 
-def _gradient_hook(passes: int) -> Callable:
+def _gradient_hook(passes: int, schedule: Any = None) -> Callable:
     def hook(grad):
+        if schedule is not None:
+            schedule.fresh = True  # a backward pass of the coming optimizer step (see optimizer._counted)
         weight = _Batch.factor(passes)
         if weight == 1.0:
             return grad / passes if passes > 1 else None  # None: the gradient as it is

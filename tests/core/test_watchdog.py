@@ -231,3 +231,121 @@ def test_watchdog_needs_a_secret():
     with pytest.raises((TypeError, ValueError)):
         Watchdog(0, [[("127.0.0.1", 1)], [("127.0.0.1", 2)]], sock)
     sock.close()
+
+
+# ------------------------------------------------ where each rank is: collectives, phases, mismatches (issue 36)
+
+LOADING = "in its DataLoader, waiting for a batch"
+
+
+def blocked_in(dog, *names, wait=0):
+    """Make `dog`'s rank submit collectives `names` (handles 0, 1, ...) and wait on names[wait]."""
+    for handle, name in enumerate(names):
+        dog.collectives.submitted(handle, name)
+    dog.collectives.wait(wait)
+
+
+def test_ranks_blocked_in_different_collectives_end_within_the_silent_peer_limit():
+    """issue 29: rank 0 in broadcast_object while rank 1 is in prepare()'s check: no waiting resolves it, so
+    the job ends after the silent-peer limit, not the 30-minute one, naming each rank's collective."""
+    dogs, fired, messages = pair(timeout=0.6, elsewhere_timeout=60)
+    for d in dogs:
+        d.start()
+    start = time.monotonic()
+    blocked_in(dogs[0], "broadcast.config.sz")
+    blocked_in(dogs[1], "allgather.hvdp.model_shapes.sz")
+    assert fired[0].wait(10) and fired[1].wait(10)
+    assert time.monotonic() - start < 10  # the silent-peer limit (0.6 s) and a few heartbeats, not 60 s
+    for msg in messages.values():
+        assert "every rank is blocked in a collective that another rank never submitted" in msg, msg
+        assert "rank 0 waits for broadcast.config.sz" in msg and "which rank 1 never submitted" in msg, msg
+        assert "rank 1 waits for allgather.hvdp.model_shapes.sz" in msg and "which rank 0 never submitted" in msg
+        assert "HVDP_WATCHDOG_TIMEOUT" in msg
+
+
+def test_collectives_in_another_order_but_all_submitted_are_not_a_deadlock():
+    """Each rank waits on a different collective, but both submitted both: Horovod completes them."""
+    dogs, fired, _ = pair(timeout=0.3, elsewhere_timeout=60)
+    for d in dogs:
+        d.start()
+    blocked_in(dogs[0], "allreduce.a", "allreduce.b", wait=0)
+    blocked_in(dogs[1], "allreduce.a", "allreduce.b", wait=1)
+    time.sleep(2.0)
+    assert not fired[0].is_set() and not fired[1].is_set()
+    for d in dogs:
+        d.stop()
+
+
+def test_peer_outside_any_collective_keeps_the_long_limit_and_is_named_with_its_phase():
+    """issue 36: rank 0 waits in allgather_object while rank 1 is stuck in its DataLoader: a warning after
+    the silent-peer limit, the end after the elsewhere limit, each naming where both ranks are."""
+    warnings = []
+    dogs, fired, messages = pair(timeout=0.3, elsewhere_timeout=2.5, on_warning=warnings.append)
+    for d in dogs:
+        d.start()
+    start = time.monotonic()
+    blocked_in(dogs[0], "allgather.bench.rate.sz")
+    dogs[1].enter(LOADING)
+    assert fired[0].wait(10)
+    assert time.monotonic() - start >= 2.5  # the elsewhere limit, not the silent peer's 0.3 s
+    msg = messages[0]
+    assert "rank 0 is at step 0, in the collective allgather.bench.rate.sz for" in msg, msg
+    assert f"rank 1 is alive at step 0, {LOADING}, for " in msg and "never reached this collective" in msg, msg
+    assert len(warnings) == 1 and f"rank 1 is alive at step 0, {LOADING}" in warnings[0], warnings
+    assert not fired[1].is_set()  # a rank outside any collective waits for nobody
+    for d in dogs:
+        d.stop()
+
+
+def test_peer_that_exits_while_this_rank_waits_for_it_ends_the_job():
+    """A rank that leaves (finished, or returned early) while its peer waits in a collective it never
+    submitted: that collective can never complete."""
+    dogs, fired, messages = pair(timeout=0.5, elsewhere_timeout=60)
+    for d in dogs:
+        d.start()
+    blocked_in(dogs[0], "allgather.final.sz")
+    dogs[1].stop()
+    assert fired[0].wait(10)
+    assert "rank 1 exited" in messages[0] and "allgather.final.sz" in messages[0], messages[0]
+
+
+def test_where_a_rank_is_reads_as_its_phase_and_collective():
+    from hvdp.core.watchdog import COMPUTING, STARTING, _doing
+    assert _doing(COMPUTING, None) == COMPUTING
+    assert _doing(WAITING, "allreduce.fc.weight") == "waiting for the gradient all-reduce (allreduce.fc.weight)"
+    assert _doing(STARTING, "allgather.hvdp.cpus.sz") == "in the collective allgather.hvdp.cpus.sz"
+    assert _doing(COMPUTING, "barrier") == "in the collective barrier"
+    assert (_doing("evaluating (hvdp.torch.evaluate)", "allgather.hvdp.evaluate.sz")
+            == "evaluating (hvdp.torch.evaluate), in the collective allgather.hvdp.evaluate.sz")
+
+
+def test_collectives_registry_tracks_pending_and_the_wait():
+    from hvdp.core.watchdog import Collectives
+    c = Collectives()
+    c.submitted(7, "allreduce.a")
+    c.submitted(8, "allreduce.b")
+    assert c.waiting() == (None, 0.0) and c.names() == {"allreduce.a", "allreduce.b"}
+    c.wait(8)
+    name, since = c.waiting()
+    assert name == "allreduce.b" and 0 < since <= time.monotonic()
+    c.finished(7)  # another one finishing does not end this wait
+    assert c.waiting()[0] == "allreduce.b" and c.names() == {"allreduce.b"}
+    c.finished(8)
+    assert c.waiting() == (None, 0.0) and c.names() == set()
+    c.wait(99)  # an unknown handle (submitted before tracking began): nothing to report
+    assert c.waiting() == (None, 0.0)
+    with c.blocking("HorovodBroadcast_x_0"):
+        assert c.waiting()[0] == "HorovodBroadcast_x_0" and c.names() == {"HorovodBroadcast_x_0"}
+    assert c.waiting() == (None, 0.0) and c.names() == set()
+
+
+def test_heartbeats_with_malformed_collective_fields_are_ignored():
+    dogs, _, _ = pair(timeout=5)
+    me = dogs[0]
+    for bad in ({"op": 3}, {"lacks": "x"}, {"lacks": [1]}, {"for": -1}, {"waited": "1"}, {"for": float("inf")}):
+        body = {"rank": 1, "step": 1, "phase": "computing", "seq": 5, **bad}
+        assert not me._accept(signed(json.dumps(body).encode())), bad
+    assert me._accept(signed(blob({"rank": 1, "step": 1, "phase": "x", "seq": 6, "op": "allreduce.a", "for": 2.5,
+                                   "waited": 1.0, "lacks": ["broadcast.b"]})))
+    peer = me.state[1]
+    assert peer.op == "allreduce.a" and peer.lacks == ("broadcast.b",) and time.monotonic() - peer.op_since >= 1.0

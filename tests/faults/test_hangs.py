@@ -122,3 +122,69 @@ def test_ranks_in_different_collectives_end_with_the_missing_tensors_named():
         assert "Missing ranks:" in out and "is stalled for longer than 4 seconds. Will shutdown." in out, \
             (launcher, out[-3000:])
         assert "0!: [allgather.diverge.rank1]" in out and "1!: [allgather.diverge.rank0]" in out, (launcher, out[-3000:])
+
+
+def run_side_by_side(worker, args, extra_env, limit):
+    """Run `worker` under MPI and Gloo at once, each in its own session; {launcher: (exit code, output, s)}."""
+    procs, starts = {}, {}
+    for launcher in ("mpi", "gloo"):
+        starts[launcher] = time.monotonic()
+        procs[launcher] = subprocess.Popen(launcher_cmd(launcher) + [str(worker), *args], cwd=ROOT,
+                                           start_new_session=True, env=env(**extra_env), stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True)
+    results = {}
+    for launcher, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, limit - (time.monotonic() - starts[launcher])))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out = f"(still running after {limit} s: the job hung)\n" + proc.communicate()[0]
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        results[launcher] = (proc.returncode, out, time.monotonic() - starts[launcher])
+    subprocess.run(["pkill", "-KILL", "-f", str(worker)])  # Gloo's ranks run in sessions of their own
+    return results
+
+
+COLLECTIVES = Path(__file__).with_name("collective_worker.py")
+
+
+def test_rank_stuck_in_its_data_loader_is_named_by_the_rank_waiting_in_a_collective():
+    """issue 36: rank 1's DataLoader never delivers while rank 0 waits in hvd.allgather_object (not the
+    gradient all-reduce). After the elsewhere limit (8 s here) the job ends, and the message says where each
+    rank is. Before, the watchdog only knew the gradient all-reduce: the job waited for Horovod's 30 minutes."""
+    results = run_side_by_side(COLLECTIVES, ["loader"], {"HVDP_WATCHDOG_TIMEOUT": "4",
+                               "HVDP_WATCHDOG_ELSEWHERE_TIMEOUT": "8", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "600"},
+                               limit=100)
+    for launcher, (code, out, seconds) in results.items():
+        assert code not in (0, None) and "still running" not in out, (launcher, out[-3000:])
+        assert "rank 0 is at step 0, in the collective allgather.epoch.samples.sz for" in out, (launcher, out[-3000:])
+        assert "rank 1 is alive at step 0, in its DataLoader, waiting for a batch, for" in out, (launcher, out[-3000:])
+        assert "never reached this collective" in out and "finished without noticing" not in out
+
+
+# framework: (worker, rank 0's collective, rank 1's), as the watchdog names them
+MISMATCH = {"torch": (COLLECTIVES, ["mismatch"], "broadcast.config.sz", "allgather.hvdp.model_shapes.sz"),
+            "tensorflow": (Path(__file__).with_name("collective_worker_tf.py"), [], "HorovodBroadcast",
+                           "HorovodAllgather")}
+
+
+@pytest.mark.parametrize("framework", list(MISMATCH))
+def test_ranks_blocked_in_different_collectives_end_within_the_silent_peer_limit(framework):
+    """issue 29: rank 0 in hvd.broadcast_object while rank 1 went on to prepare() (its model check's allgather;
+    with TensorFlow, check_consistency's): both blocked in collectives the other never submits. The watchdog
+    ends the job after the silent-peer limit (5 s here; the elsewhere limit and Horovod's stall shutdown are
+    left long), each rank naming both collectives. Before, nothing ended it until Horovod's stall shutdown (30
+    minutes by default)."""
+    worker, args, first, second = MISMATCH[framework]
+    results = run_side_by_side(worker, args, {"HVDP_WATCHDOG_TIMEOUT": "5",
+                               "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "600"}, limit=120)
+    for launcher, (code, out, seconds) in results.items():
+        assert code not in (0, None) and "still running" not in out, (launcher, out[-3000:])
+        assert "every rank is blocked in a collective that another rank never submitted" in out, (launcher, out[-3000:])
+        assert f"rank 0 waits for {first} (" in out and f"rank 1 waits for {second} (" in out, (launcher, out[-3000:])
+        assert "Horovod has been shut down" not in out.split("every rank is blocked")[0], (launcher, out[-3000:])

@@ -25,6 +25,7 @@ def main():
     p.add_argument("--result", required=True)
     p.add_argument("--until-readmitted", action="store_true",
                    help="keep training past --epochs until the world has shrunk and grown back")
+    p.add_argument("--until-shrunk", action="store_true", help="keep training past --epochs until the world shrank")
     args = p.parse_args()
 
     ht.init()
@@ -50,7 +51,8 @@ def main():
         def more():
             if loader.batch_sampler.position()[1]:
                 return True  # finish the epoch a reset interrupted
-            return state.epoch < args.epochs or (args.until_readmitted and not readmitted(state.sizes))
+            return state.epoch < args.epochs or (args.until_readmitted and not readmitted(state.sizes)) or (
+                args.until_shrunk and not any(a > b for a, b in zip(state.sizes, state.sizes[1:])))
 
         while more():
             for xb, yb, idx in loader:

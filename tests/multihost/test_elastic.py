@@ -59,8 +59,8 @@ def _kill_worker(cluster, host: str) -> int:
     raise AssertionError(f"no elastic worker process found on {host}")
 
 
-def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_path):
-    samples = 240
+def _start(cluster, tmp_path, samples: int, *flags: str):
+    """The elastic job on hosta with both hosts listed: (job, its output so far, hosts file, progress log, result)."""
     hosts = tmp_path / "hosts"
     hosts.write_text("hosta:1\nhostb:1\n")
     discover = tmp_path / "discover.sh"
@@ -69,13 +69,33 @@ def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_pat
     log, result = tmp_path / "progress.jsonl", tmp_path / "result.json"
     argv = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(discover),
             "--network-interface", cluster.iface, "--blacklist-cooldown-range", "2", "4",
-            sys.executable, str(WORKER), "--samples", str(samples), "--epochs", "3", "--until-readmitted",
+            sys.executable, str(WORKER), "--samples", str(samples), "--epochs", "3", *flags,
             "--progress", str(log), "--result", str(result)]
     job = subprocess.Popen(cluster.host("hosta").prefix() + argv, cwd=ROOT, env=env(), text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(job.stdout), daemon=True)
-    reader.start()
+    threading.Thread(target=lambda: out.extend(job.stdout), daemon=True).start()
+    return job, out, hosts, log, result
+
+
+def _stop(job) -> None:
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
+def _each_epoch_once(final: dict, samples: int) -> None:
+    """Every epoch, including one interrupted mid-way, trained on each sample exactly once."""
+    assert len(final["seen"]) >= 3
+    for epoch, seen in final["seen"].items():
+        assert sorted(seen) == list(range(samples)), (
+            f"epoch {epoch}: {len(seen)} samples trained, {len(set(seen))} distinct, "
+            f"missing {sorted(set(range(samples)) - set(seen))[:10]}")
+
+
+def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_path):
+    samples = 240
+    job, out, hosts, log, result = _start(cluster, tmp_path, samples, "--until-readmitted")
     try:
         # Mid-epoch 1 on two ranks: kill hostb's worker and take hostb out of discovery (the host is lost).
         _wait("two-rank training in epoch 1",
@@ -89,10 +109,7 @@ def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_pat
         hosts.write_text("hosta:1\nhostb:1\n")
         code = _wait_end(job, out, timeout=240)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-        reader.join(10)
+        _stop(job)
     text = "".join(out)
     assert code == 0, f"exit {code}:\n{text[-6000:]}"
     final = json.loads(result.read_text())
@@ -101,9 +118,26 @@ def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_pat
     assert sizes[:3] == [2, 1, 2], f"expected 2 ranks, then 1 after the kill, then 2 again: {sizes}"
     # The linear rule follows the world: the learning rate is 0.01 x the ranks there are.
     assert final["lrs"] == {"1": pytest.approx(0.01), "2": pytest.approx(0.02)}, final["lrs"]
-    # Every epoch, including the one interrupted mid-way, trained on each sample exactly once.
-    assert len(final["seen"]) >= 3
-    for epoch, seen in final["seen"].items():
-        assert sorted(seen) == list(range(samples)), (
-            f"epoch {epoch}: {len(seen)} samples trained, {len(set(seen))} distinct, "
-            f"missing {sorted(set(range(samples)) - set(seen))[:10]}")
+    _each_epoch_once(final, samples)
+
+
+def test_elastic_host_removed_without_a_failure_rescales_the_lr(cluster, tmp_path):
+    """issue 29: a host taken out of discovery while its worker is healthy makes Horovod raise
+    HostsUpdatedInterrupt(skip_sync=True): the survivors reset without sync(), and the rate of two ranks
+    stayed while the data was split for one."""
+    samples = 240
+    job, out, hosts, log, result = _start(cluster, tmp_path, samples, "--until-shrunk")
+    try:
+        _wait("two-rank training in epoch 1",
+              lambda: any(r["size"] == 2 and r["epoch"] == 1 and r["offset"] >= 40 for r in _log(log)), job, out)
+        hosts.write_text("hosta:1\n")  # hostb is taken away; its worker is not killed
+        code = _wait_end(job, out, timeout=240)
+    finally:
+        _stop(job)
+    text = "".join(out)
+    assert code == 0, f"exit {code}:\n{text[-6000:]}"
+    final = json.loads(result.read_text())
+    print(f"world sizes: {final['sizes']}; lr by size: {final['lrs']}")
+    assert final["sizes"] == [2, 1], final["sizes"]
+    assert final["lrs"] == {"1": pytest.approx(0.01), "2": pytest.approx(0.02)}, final["lrs"]
+    _each_epoch_once(final, samples)

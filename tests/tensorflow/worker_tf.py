@@ -19,7 +19,6 @@ import tensorflow as tf  # noqa: E402
 import hvdp.keras as hk  # noqa: E402
 import hvdp.tensorflow as htf  # noqa: E402
 from hvdp.core.errors import CheckpointError, ConfigError, DataError, DivergenceError, NonFiniteLossError  # noqa: E402
-from hvdp.core.scaling import scaled_lr  # noqa: E402
 from hvdp.core.sharding import ShardPlan  # noqa: E402
 from hvdp.tools import equivalence  # noqa: E402
 from tests.checks import check, main  # noqa: E402
@@ -325,18 +324,21 @@ def fit_follows_fits_epoch_and_reads_each_sample_once(tmp):
 
 @check
 def lr_scaled_and_warmed_up(tmp):
-    w = keras.Variable(np.zeros(1, np.float32))
-    opt = htf.DistributedOptimizer(keras.optimizers.SGD(0.1), warmup_steps=4)
-    used = []
-    for step in range(6):
-        before = float(w.numpy()[0])
-        opt.apply([tf.ones(1)], [w])  # gradient 1 on every rank -> averaged gradient 1
-        used.append(before - float(w.numpy()[0]))
-        expected = scaled_lr(0.1, step, multiplier=world.size, warmup_steps=4)
-        assert abs(used[-1] - expected) < 1e-6, (step, used, expected)
-    assert abs(used[0] - 0.1) < 1e-6, "warmup starts at the base rate"
-    assert abs(used[-1] - 0.1 * world.size) < 1e-6, "and ends at the scaled rate"
-    assert int(opt.iterations) == 6
+    # every rule and k: each step moves a weight whose averaged gradient is 1 by the effective rate, from the base
+    # rate at step 0 in a straight line to base x N*k (linear) or sqrt(N*k) at the warmup's end (docs/pytorch.md)
+    for rule, k in ((r, k) for r in ("linear", "sqrt", "none") for k in (1, 2)):
+        target = {"linear": world.size * k, "sqrt": (world.size * k) ** 0.5, "none": 1.0}[rule]
+        w = keras.Variable(np.zeros(1, np.float32))
+        opt = htf.DistributedOptimizer(keras.optimizers.SGD(0.1), lr_scaling=rule, warmup_steps=4,
+                                       backward_passes_per_step=k)
+        for step in range(6):
+            before = float(w.numpy()[0])
+            for _ in range(k):
+                opt.apply([tf.ones(1)], [w])  # gradient 1 on every rank and pass -> averaged gradient 1
+            moved = before - float(w.numpy()[0])
+            expected = 0.1 * (1 + (target - 1) * min(step, 4) / 4)
+            assert abs(moved - expected) < 1e-6, (rule, k, step, moved, expected)
+        assert int(opt.iterations) == 6
     plain = htf.DistributedOptimizer(keras.optimizers.SGD(0.1), lr_scaling="sqrt")
     assert abs(float(plain.learning_rate) - 0.1 * world.size ** 0.5) < 1e-6
 
@@ -421,6 +423,27 @@ def sync_batchnorm_uses_global_statistics(tmp):
     bn(dense(full), training=True)
     assert np.allclose(sync.moving_mean.numpy(), bn.moving_mean.numpy(), atol=1e-5)
     assert np.allclose(sync.moving_variance.numpy(), bn.moving_variance.numpy(), atol=1e-4)
+
+
+@check
+def sync_batchnorm_trains_when_one_rank_built_more_layers_first(tmp):
+    # Keras names layers with per-process counters: a rank that built one more layer (or model) before gets
+    # other tensor names. The statistics' all-reduce must not take its name from them (it stalled the job).
+    if world.rank == 1:
+        hk.SyncBatchNormalization()(np.zeros((2, 4), np.float32))
+        keras.layers.Dense(3)
+    keras.utils.set_random_seed(9)
+    x, y = _data(16 * world.size)
+    model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(8), hk.SyncBatchNormalization(),
+                              keras.layers.Dense(8), hk.SyncBatchNormalization(), keras.layers.Dense(3)])
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.01)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    train = hk.shard((x, y), batch_size=8)
+    model.fit(train, epochs=1, callbacks=hk.callbacks(data=train), verbose=0)
+    means = [layer.moving_mean.numpy() for layer in model.layers if isinstance(layer, hk.SyncBatchNormalization)]
+    gathered = hvd.allgather_object(means, name="syncbn.means")
+    assert all(np.array_equal(a, b) for other in gathered for a, b in zip(other, gathered[0])), \
+        "the global statistics differ across ranks"
 
 
 # ------------------------------------------------------------------------------------ files and records
@@ -643,6 +666,130 @@ def corrupt_truncated_foreign_checkpoints_refused_untouched(tmp):
     expect(CheckpointError, lambda: htf.load_checkpoint(plain.parent, model, opt), "cannot read checkpoint")
     expect(CheckpointError, lambda: htf.load_checkpoint(evil.parent, model, opt), "cannot read checkpoint")
     assert htf.load_checkpoint(base / "none", model, opt) is None
+
+
+# ------------------------------------------------------------- ranks that disagree, and one rank's error
+
+@check
+def shard_settings_and_data_must_agree(tmp):
+    # TF and Keras compare what each rank passed before any batch: a ConfigError on every rank naming the
+    # rank and the value, instead of overlapping samples or different step counts (a stall).
+    x, y = _data()
+    for shard in (htf.shard, hk.shard):
+        shard((x, y), batch_size=8, seed=3)  # the same on every rank: accepted
+        if world.size == 1:
+            continue
+        odd = world.rank == 1
+        expect(ConfigError, lambda: shard((x, y), batch_size=8, seed=world.rank), "seed=1 on rank 1, but seed=0")
+        expect(ConfigError, lambda: shard((x[:-1], y[:-1]) if odd else (x, y), batch_size=8), "samples=95 on rank 1")
+        other = _data(seed=5)[0] if odd else x
+        expect(ConfigError, lambda: shard((other, y), batch_size=8), "fingerprint=")
+        paths = np.array([f"img-{i:03d}.png" for i in range(96)])
+        listing = paths[np.r_[1, 0, 2:96]] if odd else paths  # a listing taken in another order
+        e = expect(ConfigError, lambda: shard((listing, y), batch_size=8), "the same files in the same order")
+        assert e.rank == world.rank
+    if world.size > 1:
+        index = htf.index_records(_write_files(tmp, 44)[2])
+        htf.shard(index, batch_size=4)
+        expect(ConfigError, lambda: htf.shard(index, batch_size=4, drop_last=world.rank == 1),
+               "drop_last=True on rank 1")
+
+
+@check
+def one_ranks_error_is_raised_on_every_rank(tmp):
+    from hvdp.core.errors import RankError
+
+    last = world.size - 1
+    model, opt, _ = _fresh_tf(0)
+    x, y = _data(40)
+
+    class Boom(keras.layers.Layer):  # raises on the last rank only, when it scores (not while Keras builds it)
+        def call(self, inputs):
+            if world.rank == last and hasattr(inputs, "numpy"):
+                raise KeyError("sample")
+            return inputs
+
+    broken = keras.Sequential([keras.Input((6,)), Boom(), keras.layers.Dense(3)])
+    e = expect(RankError, lambda: htf.evaluate(broken, (x, y)), f"rank {last}: KeyError: ")
+    assert "hvdp.tensorflow.evaluate failed on 1 of" in str(e) and "sample" in str(e)
+    base = shared_dir(tmp, "ckpt-boom")
+    import hvdp.tensorflow.checkpoint as ckpt_module
+    real_local, real_savez = ckpt_module._local_variables, np.savez
+    try:
+        if world.rank == last:
+            ckpt_module._local_variables = lambda *a: (_ for _ in ()).throw(MemoryError("no room"))
+        expect(RankError, lambda: htf.save_checkpoint(base, model, opt, epoch=0, step=0, global_step=1),
+               f"save_checkpoint failed on 1 of {world.size} rank(s), so every rank stops: rank {last}: MemoryError")
+        ckpt_module._local_variables = real_local
+        if world.rank == 0:
+            np.savez = lambda *a, **k: 1 / 0
+        expect(CheckpointError, lambda: htf.save_checkpoint(base, model, opt, epoch=0, step=0, global_step=2),
+               "ZeroDivisionError")
+    finally:
+        ckpt_module._local_variables, np.savez = real_local, real_savez
+    regression = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    m = htf.evaluate(regression, (x, y.astype("float32")), loss=keras.losses.mean_squared_error, metrics={})
+    out = regression(x, training=False).numpy()
+    assert set(m) == {"loss", "samples"} and abs(m["loss"] - float(np.mean((out[:, 0] - y) ** 2))) < 1e-4, m
+
+
+# ------------------------------------------------ what the watchdog knows of a rank (issue 36, issue 29)
+
+@check
+def watchdog_knows_the_eager_collective_a_rank_waits_in_and_its_wait_for_a_batch(tmp):
+    """Rank 0 enters each collective 1 s after the others, which sample what the watchdog knows meanwhile:
+    an eager collective by the name Horovod gives it (its op type), an eager loop's wait for a batch."""
+    import threading
+    import time
+
+    from hvdp import _horovod
+    from hvdp.tensorflow.tracking import LOADING
+    if world.size == 1:
+        return  # no watchdog
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    cases = [(lambda: hvd.broadcast_object(1, root_rank=0, name="probe"), "HorovodBroadcast"),
+             (lambda: hvd.allgather_object(1, name="probe"), "HorovodAllgather"),
+             (lambda: htf.average(1.0), "HorovodAllreduce"),
+             (lambda: htf.check_consistency(model), "HorovodAllgather")]
+    for enter, expected in cases:
+        seen, stop = set(), threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                op, _ = _horovod._collectives.waiting()
+                if op is not None:
+                    seen.add(op)
+                time.sleep(0.01)
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        if world.rank == 0:
+            time.sleep(1.0)
+        try:
+            enter()
+        finally:
+            stop.set()
+            sampler.join()
+        if world.rank != 0:
+            assert expected in seen, (expected, seen)
+        assert _horovod._collectives.waiting() == (None, 0.0) and not _horovod._collectives.names()
+    # an eager loop over shard()'s dataset: the phase while the next batch is awaited, restored after
+    phases = []
+
+    def parse(x):
+        phases.append(_horovod._watchdog.phase)  # traced once, in tf.data's own thread: not the main thread's
+        return x
+    data = htf.shard(np.arange(16, dtype=np.float32), batch_size=2, map=parse)
+    iterator = iter(data)
+    before = _horovod._watchdog.phase
+    original = _horovod._watchdog.enter
+    entered = []
+    _horovod._watchdog.enter = lambda phase: entered.append(phase) or original(phase)
+    try:
+        n = sum(1 for _ in iterator)
+    finally:
+        del _horovod._watchdog.enter
+    assert n == 16 // (2 * world.size) and entered.count(LOADING) == n + 1, (n, entered)  # + the end
+    assert _horovod._watchdog.phase == before
 
 
 if __name__ == "__main__":

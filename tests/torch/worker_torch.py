@@ -6,6 +6,8 @@ Every assertion holds at any world size.
 from __future__ import annotations
 
 import copy
+import itertools
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,10 +21,12 @@ import torch.nn.functional as F  # noqa: E402
 import hvdp.torch as ht  # noqa: E402
 from hvdp.core.errors import (CheckpointError, ConfigError, DataError, DivergenceError,  # noqa: E402
                               NonFiniteLossError)
+from hvdp.core.scaling import lr_multiplier  # noqa: E402
+from hvdp.core.sharding import epoch_order  # noqa: E402
 from hvdp.tools import equivalence  # noqa: E402
 from tests.checks import check, main  # noqa: E402
 
-world = ht.init()
+world = None  # ht.init() under the main guard below: shard()'s DataLoader workers import this script again
 hvd = ht.hvd
 
 
@@ -214,6 +218,10 @@ def _values(loader):
     return [batch.flatten().tolist() for batch in loader]
 
 
+def _times_ten(t):
+    return t * 10
+
+
 @check
 def stream_equivalence_with_workers_and_accumulation(tmp):
     # issue 16: a stream of unknown length (an IterableDataset), read by 0 or 2 DataLoader workers per rank,
@@ -222,6 +230,16 @@ def stream_equivalence_with_workers_and_accumulation(tmp):
         r = equivalence.run("torch", optimizer="adam", steps=3, batch_size=8, accumulate=2, lr=0.02, seed=3,
                             stream=workers)
         assert r["stream"] == workers and r["replicas_identical"] and r["max_abs_diff"] <= 1e-5, r
+
+
+@check
+def stream_steps_weighted_by_their_own_accumulation_after_another_prepare(tmp):
+    # issue 29: a stream's loader read ahead by the largest k ever prepared: after prepare(k=8), full steps of
+    # k=3 took gradient weights of 1.5 and 3.0 (their step's batches were not read yet) instead of 1
+    other = _model(seed=0)
+    ht.prepare(other, torch.optim.SGD(other.parameters(), lr=0.01), backward_passes_per_step=8)
+    r = equivalence.run("torch", optimizer="sgd", steps=4, batch_size=8, accumulate=3, lr=0.02, seed=3, stream=0)
+    assert r["replicas_identical"] and r["max_abs_diff"] <= 1e-5, r
 
 
 @check
@@ -234,7 +252,9 @@ def stream_ranks_take_disjoint_parts_and_transform_only_their_own(tmp):
         return t * 10
     for workers in (0, 2):
         epochs = []
-        loader = ht.shard(_Numbers(43, epochs), batch_size=4, transform=transform, num_workers=workers)
+        # the workers receive the transform pickled (forkserver): a module-level function, not this closure
+        loader = ht.shard(_Numbers(43, epochs), batch_size=4, transform=transform if workers == 0 else _times_ten,
+                          num_workers=workers)
         first, second = _values(loader), _values(loader)
         assert epochs == [0, 1] and first == second, (epochs, first, second)
         mine = sorted(v / 10 for batch in first for v in batch)
@@ -504,6 +524,36 @@ def lr_scaled_and_warmed_up(tmp):
 
 
 @check
+def lr_of_every_rule_op_and_accumulation_moves_the_weights_as_documented(tmp):
+    """issue 29: op="sum" with warmup skipped the ramp (the first update N x too large) and sqrt ran it
+    backwards; Adasum counted one step per parameter. Each step moves a weight whose gradient is 1 on every
+    rank and pass by the effective rate of docs/pytorch.md's table: from base at step 0, in a straight line,
+    to base x N*k (linear) or sqrt(N*k) at the warmup's end, whatever the reduction."""
+    base, warmup, n = 0.1, 3, world.size
+    ops = ["average", "sum"] + (["adasum"] if n == 1 or hvd.mpi_enabled() else [])
+    for rule, op, k in itertools.product(("linear", "sqrt", "none"), ops, (1, 2)):
+        target = 1.0 if rule == "none" or op == "adasum" else n * k if rule == "linear" else (n * k) ** 0.5
+        w = torch.nn.Parameter(torch.zeros(1))
+        model = torch.nn.Module()
+        model.w = w
+        opt = ht.prepare(model, torch.optim.SGD([w], lr=base), lr_scaling=rule, op=op, warmup_steps=warmup,
+                         backward_passes_per_step=k)
+        for step in range(warmup + 2):
+            before = float(w.detach())
+            for _ in range(k):
+                (w * 1.0).sum().backward()
+            rate = ht.current_lr(opt)
+            opt.step()
+            opt.zero_grad()
+            moved = before - float(w.detach())  # SGD: the rate x the reduced gradient (1, or n summed)
+            expected = base * n if (rule, op) == ("none", "sum") else \
+                base * (1 + (target - 1) * min(step, warmup) / warmup)
+            assert abs(moved - expected) < 1e-6, (rule, op, k, step, moved, expected)
+            assert abs(rate * (n if op == "sum" else 1) - moved) < 1e-6, (rule, op, k, step, rate, moved)
+        assert opt.hvdp_schedule.step == warmup + 2, (rule, op, k, opt.hvdp_schedule.step)
+
+
+@check
 def gradient_clipping_pattern(tmp):
     model = _model(seed=1)
     opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
@@ -581,6 +631,38 @@ def sync_batchnorm_keeps_float32_statistics_for_bf16_input(tmp):
 
 
 @check
+def sync_batchnorm_leaves_out_an_epochs_top_up_samples(tmp):
+    """issue 29: a last global batch of fewer samples than ranks is topped up with a repeated sample that weighs
+    0 in the gradient, but SyncBatchNorm counted it in its statistics. An epoch through SyncBatchNorm ending with
+    one sample for all the ranks must be one process's, BatchNorm2d on each step's real samples."""
+    b, g = 2, torch.Generator().manual_seed(11)
+    n = 2 * b * world.size + 1
+    x = torch.randn(n, 2, 3, 3, generator=g) * 2 + 1
+    t = torch.randn(n, 4, 3, 3, generator=g)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 1), torch.nn.BatchNorm2d(4))
+    reference = copy.deepcopy(model)
+    opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_batchnorm=True)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1 * world.size)
+    order = epoch_order(n, seed=5, epoch=0)
+    model.train()
+    reference.train()
+    steps = 0
+    for step, (xb, tb) in enumerate(ht.shard(torch.utils.data.TensorDataset(x, t), batch_size=b, seed=5)):
+        opt.zero_grad()
+        F.mse_loss(model(xb), tb).backward()
+        opt.step()
+        union = order[step * b * world.size:(step + 1) * b * world.size]
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x[union]), t[union]).backward()
+        ref_opt.step()
+        steps += 1
+    assert steps == 3
+    for (name, mine), ref in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.allclose(mine.float(), ref.float(), atol=1e-5), (name, float((mine - ref).abs().max()))
+
+
+@check
 def every_rank_computes_on_the_cpu_here_and_a_missing_gpu_fails_on_every_rank(tmp):
     assert ht.device() == torch.device("cpu"), "no GPU on this machine: each rank's device is the CPU"
     # Asking for a GPU that is not there is a ConfigError on every rank (none is left waiting in the exchange),
@@ -608,6 +690,22 @@ def evaluate_counts_every_sample_once(tmp):
         assert abs(m["loss"] - float(F.cross_entropy(out.double(), y))) < 1e-6
     empty = torch.utils.data.TensorDataset(*(t[:0] for t in _data(n=4, seed=0).tensors))
     expect(ConfigError, lambda: ht.evaluate(model, empty), "empty dataset")  # on every rank, not NaN metrics
+
+
+@check
+def evaluate_scores_a_regressor_with_its_own_loss_and_metrics(tmp):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2)
+    x, y = torch.randn(2 * world.size + 3, 6), torch.randn(2 * world.size + 3, 2)
+    data = torch.utils.data.TensorDataset(x, y)
+    m = ht.evaluate(model, data, batch_size=2, loss_fn=F.mse_loss,
+                    metrics={"mae": lambda out, t: (out - t).abs().sum() / t.shape[1]})
+    with torch.no_grad():
+        out = model(x)
+    assert set(m) == {"loss", "mae", "samples"} and m["samples"] == len(x), m
+    assert abs(m["loss"] - float(F.mse_loss(out.double(), y.double(), reduction="sum")) / len(x)) < 1e-6, m
+    assert abs(m["mae"] - float((out - y).abs().mean())) < 1e-6, m
+    assert set(ht.evaluate(model, data, loss_fn=F.mse_loss, metrics={})) == {"loss", "samples"}
 
 
 @check
@@ -691,6 +789,49 @@ def elastic_state_commit_restore_sync(tmp):
     state.sync()
     assert opt.param_groups[0]["lr"] == lr, "same world size: the learning rate must not change"
     ht.check_consistency(model)
+
+
+@check
+def elastic_reset_without_sync_rescales_the_lr(tmp):
+    """issue 29: when hosts are only removed Horovod raises HostsUpdatedInterrupt(skip_sync=True), and its
+    run_fn (horovod/common/elastic.py) calls state.on_reset() without state.sync(): the rates of the larger
+    world stayed while the data was split for the smaller one. on_reset() must rescale them."""
+    model, opt, loader = _fresh(seed=0)
+    state = ht.ElasticState(model, opt, loader)
+    bigger = 2 * world.size  # as a world of twice the ranks left the schedule and the rates
+    opt.hvdp_schedule.size = bigger
+    for group in opt.param_groups:
+        group["lr"] = 0.01 * lr_multiplier("linear", bigger)
+    state.on_reset()
+    assert opt.param_groups[0]["lr"] == 0.01 * lr_multiplier("linear", world.size), opt.param_groups[0]["lr"]
+    assert ht.current_lr(opt) == 0.01, "warmup step 0: the base rate"
+
+
+@check
+def elastic_counts_the_batches_of_a_step_grad_scaler_skipped(tmp):
+    """issue 29: a step that GradScaler skips (an overflow on any rank) never calls step(), so its batches were
+    not counted and a reset trained them again. The data position advances one global batch per step."""
+    model, opt, loader = _fresh(seed=0)
+    state = ht.ElasticState(model, opt, loader)
+    state.sync()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    plan = loader.batch_sampler.plan
+    for i, (x, y) in enumerate(loader):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        if i == 1 and world.rank == world.size - 1:
+            loss = loss * float("inf")  # this rank alone overflows: every rank skips the step
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        assert state.sampler.position() == (0, plan.consumed(0, i + 1)), (i, state.sampler.position())
+        if i == 2:
+            break
+    assert opt.hvdp_schedule.step == 2, "a skipped step is not an optimizer step (warmup, checkpoints)"
 
 
 # ---------------------------------------------------------------------------------------- checkpoints
@@ -799,5 +940,314 @@ class Evil:
         return (Path.touch, (Path(sys.argv[2]) / "pwned",))
 
 
+# ------------------------------------------------------------- ranks that disagree, and one rank's error
+
+class _Files(torch.utils.data.Dataset):
+    """A data set that reads a file list, as a DatasetFolder does (its `samples`), here without the files."""
+
+    def __init__(self, names):
+        self.samples = list(names)
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+
+@check
+def shard_settings_and_data_must_agree(tmp):
+    # What each rank passed is compared before any batch: a mismatch is a ConfigError on every rank that names
+    # the rank and the value, instead of overlapping samples (seed=rank) or a hang (different step counts).
+    ht.shard(_data(), batch_size=8, seed=3)  # the same on every rank: accepted
+    ht.shard(_Files(["a", "b", "c", "d"]), batch_size=1)
+    if world.size == 1:
+        return
+    odd = world.rank == 1
+    expect(ConfigError, lambda: ht.shard(_data(), batch_size=8, seed=world.rank), "seed=1 on rank 1, but seed=0")
+    expect(ConfigError, lambda: ht.shard(_data(n=95 if odd else 96), batch_size=8), "samples=95 on rank 1")
+    expect(ConfigError, lambda: ht.shard(_data(seed=7 if odd else 0), batch_size=8), "fingerprint=")
+    names = ["a", "c", "b", "d"] if odd else ["a", "b", "c", "d"]  # a listing taken in another order
+    e = expect(ConfigError, lambda: ht.shard(_Files(names), batch_size=1), "the same files in the same order")
+    assert "on rank 1" in str(e) and e.rank == world.rank
+    expect(ConfigError, lambda: ht.shard(_data(), batch_size=8, drop_last=odd), "drop_last=True on rank 1")
+    expect(ConfigError, lambda: ht.shard(_Numbers(10), batch_size=2 if odd else 1), "batch_size=2 on rank 1")
+
+
+class _Boom(torch.utils.data.Dataset):
+    """The evaluation data of _data(), except that sample 2 of rank `bad`'s slice raises KeyError there."""
+
+    def __init__(self, bad):
+        self.data, self.bad = _data(n=40), bad
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if world.rank == self.bad and i == world.rank * (40 // world.size) + 2:
+            raise KeyError(f"sample {i}")
+        return self.data[i]
+
+
+def _raising(exc, real=None, when=lambda *args: True):
+    """A function that raises `exc`; with `real`, only where `when(*args)` holds, else it calls `real`
+    (Horovod's object collectives use torch.save and torch.load themselves)."""
+    def fail(*args, **kwargs):
+        if real is None or when(*args):
+            raise exc
+        return real(*args, **kwargs)
+    return fail
+
+
+@check
+def one_ranks_error_is_raised_on_every_rank(tmp):
+    # An arbitrary exception on one rank inside an operation the others are in: the others must not wait.
+    from hvdp import _horovod
+    from hvdp.core.errors import RankError
+    import hvdp.torch.checkpoint as ckpt_module
+
+    last = world.size - 1
+    model, opt, _ = _fresh(0)
+    e = expect(RankError, lambda: ht.evaluate(model, _Boom(bad=last)), f"rank {last}: KeyError: 'sample")
+    assert "hvdp.torch.evaluate failed on 1 of" in str(e)
+    assert isinstance(e.__cause__, KeyError) == (world.rank == last)
+    base = Path(hvd.broadcast_object(str(tmp / "ckpt-boom"), name="ckpt.boom"))
+    real_rng, real_save = ckpt_module._rng_state, torch.save
+    try:
+        if world.rank == last:
+            ckpt_module._rng_state = _raising(MemoryError("no room for the RNG state"))
+        expect(RankError, lambda: ht.save_checkpoint(base, model, opt, epoch=0, step=0, global_step=1),
+               f"save_checkpoint failed on 1 of {world.size} rank(s), so every rank stops: rank {last}: MemoryError")
+        ckpt_module._rng_state = real_rng
+        if world.rank == 0:
+            torch.save = _raising(ZeroDivisionError("in the writer"), real_save,
+                                  when=lambda obj, *_: isinstance(obj, dict) and "hvdp" in obj)
+        expect(CheckpointError, lambda: ht.save_checkpoint(base, model, opt, epoch=0, step=0, global_step=2),
+               "ZeroDivisionError: in the writer")
+    finally:
+        ckpt_module._rng_state, torch.save = real_rng, real_save
+    ht.save_checkpoint(base, model, opt, epoch=0, step=0, global_step=3)
+    real_load = torch.load
+    try:
+        if world.rank == 0:
+            torch.load = _raising(MemoryError("reading"), real_load, when=lambda f, *_: "ckpt-boom" in str(f))
+        expect(CheckpointError, lambda: ht.load_checkpoint(base, model, opt), "MemoryError: reading")
+    finally:
+        torch.load = real_load
+    if world.rank == 0:  # a valid header, but no "model" entry: the others must not wait in the broadcast
+        payload = torch.load(base / "ckpt-00000003.pt", weights_only=True)
+        del payload["model"]
+        torch.save(payload, base / "ckpt-00000004.pt")
+    hvd.barrier()
+    expect(CheckpointError, lambda: ht.load_checkpoint(base, model, opt), "no 'model' entry")
+    # init()'s device placement and CPU count: one rank's exception, every rank's error
+    real_index, real_share = _horovod.gpu_index, _horovod.cpu_share
+    try:
+        if world.rank == last:
+            _horovod.gpu_index = _raising(OSError("the GPU driver went away"))
+        expect(RankError, lambda: ht.init(device="cpu"), f"rank {last}: OSError: the GPU driver went away")
+        _horovod.gpu_index = real_index
+        if world.rank == last:
+            _horovod.cpu_share = _raising(PermissionError("cgroup"))
+        _horovod._ready = None  # make init() set this world up again
+        expect(RankError, lambda: ht.init(), f"rank {last}: PermissionError: cgroup")
+    finally:
+        _horovod.gpu_index, _horovod.cpu_share = real_index, real_share
+    assert ht.init() == world  # sets the world up again, every rank
+    # verify: rank 0's reference run fails, the others would wait for its result
+    real_plan = equivalence.ShardPlan
+    try:
+        if world.rank == 0:
+            equivalence.ShardPlan = _raising(ValueError("reference broke"))
+        expect(RankError, lambda: equivalence.run("torch", optimizer="sgd", steps=1, batch_size=4, accumulate=1,
+                                                  lr=0.02, seed=3), "rank 0: ValueError: reference broke")
+    finally:
+        equivalence.ShardPlan = real_plan
+
+
+@check
+def a_later_init_is_not_a_collective(tmp):
+    # The first init() forms the world; a later one returns it without any collective, so one rank alone may
+    # call it (before, it all-gathered the CPU count every time: `if rank == 0: init()` hung).
+    if world.rank == 0:
+        assert ht.init() == world
+    ht.barrier()
+    assert ht.average(1.0) == 1.0
+
+
+# ------------------------------------------------ worker processes and the watchdog's knowledge (issue 36)
+
+class _Pids(torch.utils.data.Dataset):
+    """Sample i is (i, the pid of the process that read it)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.tensor([i, os.getpid()])
+
+
+class _Phases(torch.utils.data.Dataset):
+    """Records, in this process (num_workers=0), the phase the watchdog had while each sample was read."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        from hvdp import _horovod
+        self.seen.append(_horovod._watchdog.phase if _horovod._watchdog is not None else None)
+        return torch.tensor([i])
+
+
+def _pids(loader):
+    return {int(p) for batch in loader for p in batch[:, 1]}
+
+
+@check
+def shard_workers_start_by_forkserver_once_per_run(tmp):
+    """issue 36: workers started by forkserver (fork in a threaded rank can deadlock), kept from one epoch to
+    the next for a map-style dataset; a stream's and persistent_workers=False restart each epoch."""
+    kept = ht.shard(_Pids(), batch_size=2, num_workers=2)
+    assert kept.multiprocessing_context.get_start_method() == "forkserver" and kept.persistent_workers
+    first, second = _pids(kept), _pids(kept)
+    assert len(first) == 2 and first == second and os.getpid() not in first, (first, second)
+    fresh = ht.shard(_Pids(), batch_size=2, num_workers=2, persistent_workers=False)
+    assert not fresh.persistent_workers and _pids(fresh).isdisjoint(_pids(fresh))
+    stream = ht.shard(_Numbers(16), batch_size=2, num_workers=2)
+    assert stream.multiprocessing_context.get_start_method() == "forkserver" and not stream.persistent_workers
+    # the user's own choice of start method is kept; num_workers=0 starts nothing
+    spawned = ht.shard(_Pids(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    assert spawned.multiprocessing_context.get_start_method() == "spawn"
+    assert ht.shard(_Pids(), batch_size=2).multiprocessing_context is None
+
+
+def _lambda_collate(batch):
+    return batch
+
+
+@check
+def shard_says_which_object_the_workers_cannot_receive(tmp):
+    import threading
+
+    class Local(torch.utils.data.Dataset):  # defined in a function: pickle cannot find it by name
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return i
+
+    locked = _Pids()
+    locked.lock = threading.Lock()  # a lock (an open file, a connection) made in this process
+    cases = [
+        (lambda: ht.shard(Local(), batch_size=2, num_workers=2), ["dataset", "Local", "local object"]),
+        (lambda: ht.shard(locked, batch_size=2, num_workers=2), ["dataset", "_Pids", "_thread.lock"]),
+        (lambda: ht.shard(_Pids(), batch_size=2, num_workers=2, collate_fn=lambda b: b),
+         ["collate_fn", "<lambda>"]),
+        (lambda: ht.shard(_Pids(), batch_size=2, num_workers=2, worker_init_fn=lambda i: None),
+         ["worker_init_fn", "<lambda>"]),
+        (lambda: ht.shard(_Numbers(16), batch_size=2, num_workers=2, transform=lambda t: t),
+         ["transform", "<lambda>"]),
+    ]
+    for make, words in cases:
+        e = expect(ConfigError, make, "cannot be sent to the DataLoader's worker processes")
+        assert all(w in str(e) for w in words) and "forkserver" in str(e) and "num_workers=0" in str(e), str(e)
+        assert str(e).startswith(f"[rank {world.rank}] shard(num_workers=2): "), str(e)
+    # the same objects are fine without workers, and a module-level function is fine with them
+    ht.shard(Local(), batch_size=2)
+    ht.shard(_Pids(), batch_size=2, num_workers=2, collate_fn=_lambda_collate)
+
+
+@check
+def loader_tells_the_watchdog_it_waits_for_a_batch(tmp):
+    from hvdp import _horovod
+    from hvdp.torch.workers import LOADING
+    data = _Phases()
+    batches = list(ht.shard(data, batch_size=2, shuffle=False))
+    assert len(batches) == -(-8 // (2 * world.size))
+    if _horovod._watchdog is None:  # a world of 1: no watchdog to tell
+        return
+    assert data.seen and set(data.seen) == {LOADING}, data.seen
+    assert _horovod._watchdog.phase != LOADING  # restored once the batch is handed out
+
+
+def _in_collective_while_peer_is_late(enter, expected_op, expected_phase=None):
+    """Rank 0 enters a collective 1 s after the others; each rank samples what the watchdog knows while it
+    waits. The ranks that wait must have seen `expected_op` (and `expected_phase`); afterwards nothing."""
+    import threading
+
+    from hvdp import _horovod
+    seen, stop = set(), threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            op, _ = _horovod._collectives.waiting()
+            if op is not None:
+                seen.add((op, _horovod._watchdog.phase))
+            time.sleep(0.01)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    if world.rank == 0:
+        time.sleep(1.0)
+    try:
+        enter()
+    finally:
+        stop.set()
+        sampler.join()
+    if world.rank != 0:
+        ops = {op for op, _ in seen}
+        assert expected_op in ops, (expected_op, seen)
+        if expected_phase is not None:
+            assert (expected_op, expected_phase) in seen, (expected_phase, seen)
+    assert _horovod._collectives.waiting() == (None, 0.0) and not _horovod._collectives.names()
+
+
+@check
+def watchdog_knows_which_collective_a_rank_waits_in(tmp):
+    """issue 36: a rank blocked in any collective, Horovod's or hvdp's, is known by the collective's name (so
+    a hang outside the gradient all-reduce names where each rank is)."""
+    if world.size == 1:
+        return  # no watchdog, no collective
+    model, data = _model(0), _data(8)
+    cases = [
+        (lambda: hvd.allgather_object(1, name="probe.gather"), "allgather.probe.gather.sz", None),
+        (lambda: hvd.broadcast_object(1, root_rank=0, name="probe.bcast"), "broadcast.probe.bcast.sz", None),
+        (lambda: hvd.barrier(), "barrier", None),
+        (lambda: hvd.allreduce(torch.ones(2), name="probe.sum"), "allreduce.probe.sum", None),
+        (lambda: ht.barrier(), "barrier", None),
+        (lambda: ht.evaluate(model, data), "allgather.hvdp.evaluate.sz", "evaluating (hvdp.torch.evaluate)"),
+        (lambda: ht.broadcast(model), "broadcast.0.bias", None),  # broadcast_parameters sorts by name
+    ]
+    for enter, op, phase in cases:
+        _in_collective_while_peer_is_late(enter, op, phase)
+
+
+@check
+def users_own_fork_dataloader_warns_once_naming_the_fix(tmp):
+    """issue 36: a DataLoader of the user's with fork workers in a rank (Horovod's threads run) is warned about
+    once, at its first use, with the fix; hvdp's own loaders never fork."""
+    import warnings
+
+    from hvdp import _workers
+    _workers._fork_warned = False
+    loader = torch.utils.data.DataLoader(_Pids(), batch_size=4, num_workers=1, multiprocessing_context="fork")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert len(_pids(loader)) == 1
+    forks = [str(w.message) for w in caught if "forks this rank's process" in str(w.message)]
+    assert len(forks) == 1, forks
+    assert "a torch DataLoader with num_workers > 0 and the fork start method" in forks[0], forks[0]
+    assert "multiprocessing_context='forkserver'" in forks[0] and "worker_torch.py:" in forks[0], forks[0]
+    _workers._fork_warned = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _pids(ht.shard(_Pids(), batch_size=2, num_workers=2, persistent_workers=False))
+    assert not [w for w in caught if "forks this rank's process" in str(w.message)]
+
+
 if __name__ == "__main__":
+    world = ht.init()
     main(lambda obj: hvd.allgather_object(obj, name="checks.results"), world.rank)

@@ -1,0 +1,120 @@
+"""The signal side of preemption, shared by the adapters: the handlers init(preemption=True) installs, the
+agreement every rank runs after each optimizer step (hvdp.core.preemption, with the adapter's collective), and
+the exit that asks for a requeue. Imports no framework.
+
+A handler only records the signal: the training loop acts on it at a step boundary that every rank agrees on.
+Until the loop first asks (the first preempted() call), a signal keeps the action it had before init()
+(SIGTERM and SIGUSR1 end the process): a job stopped while it starts has nothing to save, and a loop that never
+asks is never left running after a SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Callable, NoReturn
+
+from hvdp.core import preemption as policy
+from hvdp.core.errors import ConfigError
+from hvdp.core.world import World, elastic
+
+_settings: policy.PreemptionSettings | None = None  # set while preemption is on
+_rank = 0
+_previous: dict[int, object] = {}  # the handlers ours replaced, restored by disable()
+_received: list[str] = []          # the stop signals this rank got, in order
+_armed = False                     # the loop has asked once: from now on a signal waits for the loop
+_agreement: policy.Agreement | None = None
+
+
+def enable(preemption: bool | None, world: World) -> None:
+    """Install the stop-signal handlers when `preemption` is True (None: HVDP_PREEMPTION decides); False
+    removes them. Called by each adapter's init(), on every rank.
+
+    Raises:
+        ConfigError: a malformed HVDP_PREEMPT_SIGNALS / HVDP_REQUEUE_EXIT_CODE / HVDP_PREEMPTION; preemption
+            asked for in elastic mode, or from a thread other than the main one (Python runs signal handlers
+            only there).
+    """
+    global _settings, _rank, _agreement
+    found = policy.settings()
+    wanted = found.enabled if preemption is None else bool(preemption)
+    if not wanted:
+        if preemption is False:
+            disable()
+        return
+    if elastic():
+        raise ConfigError("preemption=True is not supported in elastic mode: Horovod's elastic driver already "
+                          "restarts lost workers, and ranks that join mid-epoch would not agree on the step to "
+                          "stop at; use elastic_run's state commits instead", rank=world.rank)
+    if threading.current_thread() is not threading.main_thread():
+        raise ConfigError("preemption=True installs signal handlers, which Python allows only in the main "
+                          "thread; call init() there, or pass preemption=False", rank=world.rank)
+    if _settings is not None and (_settings.signals != found.signals or _rank != world.rank):
+        disable()
+    if _settings is None:
+        for name in found.signals:
+            sig = signal.Signals[name]
+            _previous[sig] = signal.signal(sig, _handle)
+            signal.siginterrupt(sig, False)  # restart the system calls a signal interrupts (sockets, waits)
+    _settings, _rank, _agreement = found, world.rank, None
+
+
+def disable() -> None:
+    """Restore the handlers enable() replaced and forget any signal received (a no-op when off)."""
+    global _settings, _armed, _agreement
+    for sig, previous in _previous.items():
+        signal.signal(sig, previous)
+    _previous.clear()
+    _received.clear()
+    _settings, _armed, _agreement = None, False, None
+
+
+def enabled() -> bool:
+    """Whether preemption handling is on in this process."""
+    return _settings is not None
+
+
+def received() -> str | None:
+    """The first stop signal this rank got ("SIGTERM"...), or None."""
+    return _received[0] if _received else None
+
+
+def _handle(signum: int, frame) -> None:
+    name = signal.Signals(signum).name
+    if not _armed:
+        previous = _previous.get(signum, signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:  # the default action: end the process as if hvdp were not there
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        return
+    if not _received:  # os.write: safe however the main thread was interrupted (print may be mid-write)
+        os.write(2, f"hvdp: rank {_rank} got {name}: every rank will stop after the step they agree on, write a "
+                    f"checkpoint and exit with {_settings.exit_code} (requeue)\n".encode())
+    _received.append(name)
+
+
+def check(make_agreement: Callable[[], policy.Agreement]) -> bool:
+    """Whether the ranks stop now: the adapter's preempted(). Every rank calls it at the same points; False
+    without a collective when preemption is off. `make_agreement` builds the Agreement with the adapter's sum
+    over the ranks, once."""
+    global _armed, _agreement
+    if _settings is None:
+        return False
+    _armed = True
+    if _agreement is None:
+        _agreement = make_agreement()
+    return _agreement(bool(_received))
+
+
+def exit_for_requeue(log: Callable[[str], None]) -> NoReturn:
+    """End this rank with the requeue exit code (75 unless HVDP_REQUEUE_EXIT_CODE), after `log` says so."""
+    code = _settings.exit_code if _settings is not None else policy.REQUEUE_EXIT_CODE
+    why = received() or "a stop signal on another rank"
+    log(f"hvdp: preempted ({why}): checkpoint written, exiting with {code} to be requeued")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(code)
