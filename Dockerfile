@@ -27,7 +27,8 @@ COPY constraints.txt /src/
 COPY scripts/build_horovod.sh scripts/cuda_stack.sh /src/scripts/
 COPY csrc/ /src/csrc/
 RUN bash /src/docker/image.sh frameworks
-COPY setup.cfg pyproject.toml README.md /src/
+COPY setup.cfg setup.py MANIFEST.in pyproject.toml README.md /src/
+COPY benchmarks/ /src/benchmarks/
 COPY hvdp/ /src/hvdp/
 RUN bash /src/docker/image.sh hvdp
 

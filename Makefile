@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 NP    ?= 2
 
-.PHONY: setup test test-fast soak train bench docker-test docker-test-cuda clean setup-cuda test-cuda-build gpu-wheels
+.PHONY: setup test test-fast soak train bench docker-test docker-test-cuda clean setup-cuda test-cuda-build gpu-wheels test-install
 
 setup:
 	@bash scripts/setup.sh
@@ -15,6 +15,12 @@ test: setup
 # The in-process core tests only: seconds, no launcher.
 test-fast:
 	$(PY) -m pytest -q tests/core
+
+# hvdp installed as a user without root would (tests/test_install.py, as root: it creates a throwaway user):
+# a fresh venv, `pip install` of a copy of the checkout, `hvdp doctor`, `hvdp build-horovod`'s preflight
+# errors. About a minute; no Horovod build (that is ~10 minutes: docs/install.md). Not part of `make test`.
+test-install: setup
+	HVDP_TEST_INSTALL=1 $(PY) -m pytest -q tests/test_install.py
 
 # The stress tests at length: the in-flight collectives, ITERATIONS per launch (about 1 s each at np=2), and
 # the DataLoader worker start-ups, EPOCHS per launch (about 4.5 start-ups per rank and 0.5 s per epoch at np=2).

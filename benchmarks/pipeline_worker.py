@@ -10,8 +10,9 @@ goes first alternates), with the same per-sample work (decode, random crop and f
   shuffle buffer, map(parse), batch, prefetch (not exact: ranks read other counts, the order is the buffer's);
 - torch, hvdp: shard(dataset, num_workers=2) (workers started by forkserver once per run); torch, hand:
   DataLoader with DistributedSampler, 2 workers (the platform's fork, every epoch); torch, hvdp-fork: shard()
-  as it was before issue 36 (fork, new workers every epoch); torch, hvdp-spawn: shard() with spawn workers,
-  kept for the run.
+  as it was before issue 36 (fork, new workers every epoch); with --compare-starts, forkserver-per-epoch and
+  spawn-per-epoch: shard() starting its workers anew every epoch with either safe method (what a stream's
+  loader pays each epoch).
 
 Rank 0 prints `bench: {json}` with each implementation's samples/s per rank (the ranks' mean) per repetition,
 and for PyTorch each epoch's start-up: seconds from the start of the epoch to its first batch (the ranks'
@@ -103,7 +104,7 @@ class _Images:
         return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1))).float() / 255.0, int(self.labels[i])
 
 
-def _torch(directory: Path, batch: int, rank: int, size: int):
+def _torch(directory: Path, batch: int, rank: int, size: int, compare_starts: bool = False):
     import torch
 
     import hvdp.torch as hvdp_torch
@@ -111,9 +112,12 @@ def _torch(directory: Path, batch: int, rank: int, size: int):
     dataset = _Images(directory)
     loaders = {"hvdp": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2),
                "hvdp-fork": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2,
-                                             multiprocessing_context="fork", persistent_workers=False),
-               "hvdp-spawn": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2,
-                                              multiprocessing_context="spawn")}
+                                             multiprocessing_context="fork", persistent_workers=False)}
+    if compare_starts:
+        loaders.update({"forkserver-per-epoch": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2,
+                                                                 persistent_workers=False),
+                        "spawn-per-epoch": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2,
+                                                            multiprocessing_context="spawn", persistent_workers=False)})
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=size, rank=rank, seed=0)
     loaders["hand"] = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=2)
 
@@ -139,6 +143,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20000)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--compare-starts", action="store_true",
+                        help="torch: also shard() starting its workers anew every epoch by forkserver and by spawn")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -153,7 +159,10 @@ def main() -> None:
         _write(directory, args.samples, args.framework)
     hvd.broadcast_object(0, name="bench.written")  # a barrier: the files exist
 
-    impls = (_tensorflow if args.framework == "tensorflow" else _torch)(directory, args.batch, world.rank, world.size)
+    if args.framework == "tensorflow":
+        impls = _tensorflow(directory, args.batch, world.rank, world.size)
+    else:
+        impls = _torch(directory, args.batch, world.rank, world.size, args.compare_starts)
     rates: dict[str, list[float]] = {name: [] for name in impls}
     startups: dict[str, list[float]] = {name: [] for name in impls}
     first: dict[str, float] = {}

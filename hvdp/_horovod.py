@@ -147,8 +147,8 @@ def gather_or_raise(hvd, compute: Callable[[], Any], *, name: str, operation: st
     if found is None:
         return [m for m, _ in gathered]
     cls, message = found
-    if problem is not None and cls == type(error).__name__:
-        raise error  # this rank's own error, as it was; the others raise its message
+    if problem is not None and cls == type(error).__name__ and message == problem[1]:
+        raise error  # this rank alone failed: its own error, as it was; the others raise its message
     raise getattr(_errors, cls, _errors.RankError)(message) from (error if problem is not None else None)
 
 

@@ -7,7 +7,9 @@
 #   PYTHON=$PWD/.venv/bin/python scripts/build_horovod.sh     -> prints the path of the cached wheel
 #
 # Environment: HVDP_CACHE_DIR (default ~/.cache/hvdp), HOROVOD_GPU_OPERATIONS (e.g. NCCL for the CUDA image;
-# it becomes part of the cache key), MAKEFLAGS (default -j$(nproc)).
+# it becomes part of the cache key), MAKEFLAGS (default -j$(nproc)), HOROVOD_WITHOUT_{MPI,TENSORFLOW,PYTORCH}=1
+# to leave one out (they win over the HOROVOD_WITH_* set below). `hvdp build-horovod` (hvdp/tools/
+# build_horovod.py) runs this same script from the installed package, after choosing those for the env.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(dirname "$here")"
@@ -77,20 +79,22 @@ fi
 # source fix must not reuse a wheel built without it).
 recipe="$(cd "$root" && find scripts/build_horovod.sh csrc/horovod -type f | LC_ALL=C sort \
           | while read -r f; do printf '%s\n' "$f"; cat "$f"; done | sha256sum | cut -c1-8)"
-key="$("$PYTHON" - "$HOROVOD_VERSION" "${HOROVOD_GPU_OPERATIONS:-cpu}" "$recipe" <<'PY'
+# A build without MPI (HOROVOD_WITHOUT_MPI=1: `hvdp build-horovod` where no mpicxx, `make setup-cuda`) says so.
+key="$("$PYTHON" - "$HOROVOD_VERSION" "${HOROVOD_GPU_OPERATIONS:-cpu}" "$recipe" "${HOROVOD_WITHOUT_MPI:-}" <<'PY'
 import platform, sys
 from importlib.metadata import version
-hv, gpu, recipe = sys.argv[1:]
-def tf_version():
-    for dist in ("tensorflow-cpu", "tensorflow"):
+hv, gpu, recipe, without_mpi = sys.argv[1:]
+def installed(*dists):
+    for dist in dists:
         try:
             return version(dist)
         except Exception:
             pass
     return "none"
-tf = tf_version()
-print(f"horovod-{hv}_torch-{version('torch')}_tf-{tf}_cp{sys.version_info.major}{sys.version_info.minor}"
-      f"_{platform.machine()}_{gpu.lower()}_{recipe}")
+tf = installed("tensorflow-cpu", "tensorflow")
+mpi = "_nompi" if without_mpi not in ("", "0") else ""
+print(f"horovod-{hv}_torch-{installed('torch')}_tf-{tf}_cp{sys.version_info.major}{sys.version_info.minor}"
+      f"_{platform.machine()}_{gpu.lower()}{mpi}_{recipe}")
 PY
 )"
 cache="${HVDP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdp}/wheels/$key"

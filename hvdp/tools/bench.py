@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from hvdp.core.tuning import RUNTIME_DEFAULTS
+from hvdp.tools import resources
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCH_DIR = resources.path("benchmarks")  # inside the installed package, or a checkout's benchmarks/
 # framework -> its worker, the implementations measured side by side, and the ratios reported (a / b).
 # An implementation ending in -tuned is the one before it run with hvdp's runtime defaults (raw Horovod
 # "tuned the same way"); every other one runs with the library's own defaults (hvdp applies its own).
@@ -247,8 +248,10 @@ def _pipeline(framework: str, args, rounds: int, raw_env: dict) -> dict:
         out = {}
         for np_ in (1, args.np):
             print(f"[bench] {framework} input pipeline np={np_} ...", file=sys.stderr, flush=True)
+            extra = ["--compare-starts"] if framework == "torch" and not args.quick else []
             cmd = _launch("hvdp", np_, "pipeline_worker.py", ["--framework", framework, "--dir", directory,
-                                                              "--samples", str(samples), "--reps", str(reps)], raw_env)
+                                                              "--samples", str(samples), "--reps", str(reps), *extra],
+                          raw_env)
             result = _run(cmd, raw_env, timeout=900)[0]
             rates = result["samples_per_sec_per_rank"]
             ratios = [a / b for a, b in zip(rates["hvdp"], rates["hand"])]
@@ -264,8 +267,8 @@ def _pipeline(framework: str, args, rounds: int, raw_env: dict) -> dict:
 
 def run(args) -> int:
     if not (BENCH_DIR / "train_worker.py").is_file():
-        print(f"hvdp bench: the benchmark workers are not at {BENCH_DIR}; run it from a checkout of hvdp",
-              file=sys.stderr)
+        print(f"hvdp bench: the benchmark workers are not at {BENCH_DIR}; reinstall hvdp "
+              f"(pip install --force-reinstall /path/to/hvdp, or from a checkout)", file=sys.stderr)
         return 2
     if args.np < 2:
         print(f"hvdp bench: --np must be >= 2, got {args.np}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The `hvdp` command: doctor, verify, bench. Each subcommand's module loads only when it runs."""
+"""The `hvdp` command: doctor, verify, bench, build-horovod. Each subcommand's module loads only when it runs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ COMMANDS = {
     "doctor": ("hvdp.tools.doctor", "explain the installed stack, the launcher, and what to fix"),
     "verify": ("hvdp.tools.verify", "prove on this machine that N ranks x batch b == 1 process x batch N*b"),
     "bench": ("hvdp.tools.bench", "measure training throughput and allreduce bandwidth vs DDP and Horovod"),
+    "build-horovod": ("hvdp.tools.build_horovod", "build Horovod with hvdp's fixes for this env's frameworks and install it"),
 }
 
 

@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from hvdp.core.world import World, detect_launcher, gloo_hostname_problem
+from hvdp.tools import resources
 
 PACKAGES = ("torch", "tensorflow-cpu", "tensorflow", "keras", "horovod", "mpi4py", "numpy")
 LAUNCH_VARS = re.compile(r"^(HOROVOD_|OMPI_COMM_WORLD_|PMI_|SLURM_(PROCID|NTASKS|LOCALID|JOB_ID|NODELIST))")
@@ -31,9 +32,14 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _fix(installed: str, checkout: str = "`make setup`") -> str:
+    """The fix to print: an installed hvdp's (pip, `hvdp build-horovod`) or a checkout's (`make setup`)."""
+    return "run " + (checkout if not resources.packaged() else installed)
+
+
 def _pins() -> dict[str, str]:
-    """The tested pins from constraints.txt, when running from a checkout."""
-    path = Path(__file__).resolve().parents[2] / "constraints.txt"
+    """The tested pins from constraints.txt (shipped in the package, or a checkout's)."""
+    path = resources.path("constraints.txt")
     if not path.is_file():
         return {}
     return dict(line.split("==", 1) for line in path.read_text().split() if "==" in line)
@@ -145,15 +151,20 @@ def run(args) -> int:
         note = "" if pin is None or have is None or have.split("+")[0] == pin else f"   (tested: {pin})"
         print(f"  {dist:<12} {have or 'not installed'}{note}")
     if _version("horovod") is None:
-        problems.append("horovod is not installed: run `make setup`")
+        problems.append("horovod is not installed: " + _fix("`hvdp build-horovod` (it builds Horovod for this env's "
+                                                            "frameworks and installs it; docs/install.md)"))
     if _version("tensorflow-cpu") is None and _version("tensorflow") is None:
-        problems.append("tensorflow is not installed (needed by hvdp.tensorflow / hvdp.keras): run `make setup`")
+        problems.append("tensorflow is not installed (needed by hvdp.tensorflow / hvdp.keras): "
+                        + _fix("pip install 'hvdp[tensorflow]', then `hvdp build-horovod`"))
     if _version("torch") is None:
-        problems.append("torch is not installed (needed by hvdp.torch): run `make setup`")
+        problems.append("torch is not installed (needed by hvdp.torch): " + _fix(
+            "pip install torch (CPU only: --index-url https://download.pytorch.org/whl/cpu), then `hvdp build-horovod`"))
     mpi = _mpi_version()
     print(f"  MPI          {mpi or 'mpirun not found'}")
     if mpi is None:
-        problems.append("mpirun not found: install OpenMPI (Debian: apt-get install openmpi-bin libopenmpi-dev)")
+        problems.append("mpirun not found: install OpenMPI (Debian: apt-get install openmpi-bin libopenmpi-dev; a "
+                        "cluster: module load openmpi; conda: conda install -c conda-forge openmpi); without it "
+                        "launch with horovodrun --gloo")
 
     print("\nHorovod was built with:")
     built, gpus = (None, {}) if args.no_build_check or _version("horovod") is None else _probe_build()
@@ -164,7 +175,8 @@ def run(args) -> int:
         for need, fix in (("PyTorch", "horovod not built with PyTorch"), ("TensorFlow", "horovod not built with TensorFlow"),
                           ("MPI", "horovod not built with MPI"), ("Gloo", "horovod not built with Gloo")):
             if not built.get(need):
-                problems.append(f"{fix}: run `make setup` (it rebuilds Horovod with HOROVOD_WITH_{need.upper()}=1)")
+                problems.append(f"{fix}: " + _fix(f"install it, then rerun `hvdp build-horovod`",
+                                                  f"`make setup` (it rebuilds Horovod with HOROVOD_WITH_{need.upper()}=1)"))
     shm = has_shm_allreduce()
     if shm is not None:
         state = os.environ.get("HVDP_SHM_ALLREDUCE", "1 (hvdp's default)")

@@ -1248,6 +1248,21 @@ def users_own_fork_dataloader_warns_once_naming_the_fix(tmp):
     assert not [w for w in caught if "forks this rank's process" in str(w.message)]
 
 
+@check
+def prepare_returns_the_optimizer_to_use_and_leaves_the_model_in_place(tmp):
+    # The decision docs/porting.md states: prepare() wraps the optimizer (use the one it returns) and neither
+    # copies nor moves the model: its own parameters, where they were, receive rank 0's values.
+    model = _model(0)
+    params = list(model.parameters())
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = ht.prepare(model, plain)
+    assert opt is not plain and isinstance(opt, torch.optim.Optimizer) and callable(opt.synchronize)
+    grouped = [p for g in opt.param_groups for p in g["params"]]
+    assert len(grouped) == len(params) and all(a is b for a, b in zip(grouped, params))
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert {p.device for p in model.parameters()} == {params[0].device}
+
+
 if __name__ == "__main__":
     world = ht.init()
     main(lambda obj: hvd.allgather_object(obj, name="checks.results"), world.rank)

@@ -1,0 +1,221 @@
+"""`hvdp build-horovod`: build Horovod with hvdp's source fixes against the environment this Python runs in,
+and install it there. No root, no apt: everything comes from pip or what is already on PATH.
+
+It chooses what to build from the environment (torch and/or TensorFlow, whichever are installed; MPI when
+mpicxx is on PATH, else Gloo only; NCCL when torch is a CUDA build and a CUDA toolkit and NCCL are found),
+checks the tools the build needs and says the command that installs a missing one, then runs the one build
+recipe, scripts/build_horovod.sh, shipped inside the package (hvdp/tools/resources.py). `make setup` runs the
+same script, so both share its source fixes and its wheel cache (~/.cache/hvdp/wheels/<key>).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from hvdp.tools import resources
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--print-plan", action="store_true",
+                        help="say what would be built and why, check the tools, and stop")
+    parser.add_argument("--without-mpi", action="store_true",
+                        help="build Gloo only even when mpicxx is on PATH")
+    parser.add_argument("--cpu-only", action="store_true",
+                        help="with a CUDA torch, build without NCCL GPU operations instead of requiring a CUDA "
+                             "toolkit and NCCL")
+    parser.add_argument("--no-install", action="store_true",
+                        help="build (or find in the cache) the wheel and print its path; do not install it")
+
+
+@dataclass
+class Plan:
+    """What `hvdp build-horovod` would build: the env's frameworks, the controllers, the GPU operations, the
+    environment the recipe runs with, and the problems that stop it (each with its fix)."""
+    python: str
+    torch: str | None = None
+    torch_cuda: str | None = None
+    tensorflow: str | None = None
+    mpi: str | None = None          # mpicxx's path, when MPI is built in
+    gpu: str | None = None          # "NCCL" or None
+    env: dict = field(default_factory=dict)
+    reasons: list = field(default_factory=list)
+    problems: list = field(default_factory=list)
+
+
+def _version(*dists: str) -> str | None:
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def _which(name: str, bindir: Path) -> str | None:
+    """`name` in this env's bin directory first (pip's cmake lands there), then on PATH."""
+    return shutil.which(name, path=str(bindir)) or shutil.which(name)
+
+
+def _torch_cuda() -> str | None:
+    """torch.version.cuda, asked of a child process so this one loads no framework."""
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda or '')"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _cuda_home(bindir: Path) -> Path | None:
+    for home in (os.environ.get("HOROVOD_CUDA_HOME"), os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and (Path(home) / "bin" / "nvcc").is_file():
+            return Path(home)
+    nvcc = _which("nvcc", bindir)
+    return Path(nvcc).resolve().parents[1] if nvcc else None
+
+
+def _nccl_home() -> Path | None:
+    """HOROVOD_NCCL_HOME or NCCL_HOME, else pip's nvidia-nccl-cu* package (site-packages/nvidia/nccl)."""
+    candidates = [os.environ.get("HOROVOD_NCCL_HOME"), os.environ.get("NCCL_HOME")]
+    for sp in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        candidates.append(str(Path(sp) / "nvidia" / "nccl"))
+    for home in candidates:
+        if home and (Path(home) / "include" / "nccl.h").is_file():
+            return Path(home)
+    return None
+
+
+def make_plan(without_mpi: bool = False, cpu_only: bool = False) -> Plan:
+    bindir = Path(sys.executable).parent
+    plan = Plan(python=sys.executable)
+    pyver = "%d.%d" % sys.version_info[:2]
+    plan.torch = _version("torch")
+    plan.tensorflow = _version("tensorflow-cpu", "tensorflow")
+    env = {"PYTHON": sys.executable, "PATH": os.pathsep.join([str(bindir), os.environ.get("PATH", "")])}
+    if plan.torch:
+        plan.reasons.append(f"PyTorch: torch {plan.torch} is installed in this env")
+    else:
+        env["HOROVOD_WITHOUT_PYTORCH"] = "1"
+    if plan.tensorflow:
+        plan.reasons.append(f"TensorFlow: tensorflow {plan.tensorflow} is installed in this env")
+    else:
+        env["HOROVOD_WITHOUT_TENSORFLOW"] = "1"
+    if not plan.torch and not plan.tensorflow:
+        plan.problems.append("neither torch nor tensorflow is installed in this env, and Horovod is built for the "
+                             "frameworks it finds. Install one first: pip install 'hvdp[torch]' (a CPU torch: pip "
+                             "install torch --index-url https://download.pytorch.org/whl/cpu) or "
+                             "pip install 'hvdp[tensorflow]'")
+
+    mpicxx = None if without_mpi else _which("mpicxx", bindir)
+    if mpicxx:
+        plan.mpi = mpicxx
+        plan.reasons.append(f"MPI and Gloo: mpicxx is at {mpicxx}")
+    else:
+        env["HOROVOD_WITHOUT_MPI"] = "1"
+        plan.reasons.append("Gloo only: " + ("--without-mpi" if without_mpi else
+                            "no mpicxx on PATH (for MPI: `module load openmpi`, conda install -c conda-forge "
+                            "openmpi, or your system's OpenMPI, then rerun)"))
+
+    if plan.torch:
+        plan.torch_cuda = _torch_cuda()
+    if plan.torch_cuda and not cpu_only:
+        cuda, nccl = _cuda_home(bindir), _nccl_home()
+        if cuda and nccl:
+            plan.gpu = "NCCL"
+            env.update(HOROVOD_GPU_OPERATIONS="NCCL", HOROVOD_CUDA_HOME=str(cuda), CUDA_HOME=str(cuda),
+                       HOROVOD_NCCL_HOME=str(nccl))
+            env["PATH"] = os.pathsep.join([str(cuda / "bin"), env["PATH"]])
+            plan.reasons.append(f"NCCL GPU operations: torch is a CUDA {plan.torch_cuda} build, nvcc in {cuda}, "
+                                f"NCCL in {nccl}")
+        else:
+            missing = ([] if cuda else ["a CUDA toolkit (nvcc: set CUDA_HOME, or `module load cuda`)"]) + \
+                      ([] if nccl else ["NCCL (pip install nvidia-nccl-cu%s, or set HOROVOD_NCCL_HOME)"
+                                        % plan.torch_cuda.split(".")[0]])
+            plan.problems.append(f"torch {plan.torch} is a CUDA {plan.torch_cuda} build but " + " and ".join(missing)
+                                 + " is missing; install it, or pass --cpu-only to build without NCCL")
+    elif plan.torch_cuda:
+        plan.reasons.append(f"no GPU operations: --cpu-only (torch is a CUDA {plan.torch_cuda} build)")
+
+    # The tools the build runs, each with the command that brings it without root.
+    cxx = os.environ.get("CXX") or _which("g++", bindir) or _which("c++", bindir)
+    if not cxx:
+        plan.problems.append("no C++ compiler (g++): `module load gcc` on a cluster, conda install -c conda-forge "
+                             "gxx_linux-64 in a conda env, or ask for g++ (apt-get install g++)")
+    if not _which("cmake", bindir):
+        plan.problems.append(f"no cmake: {sys.executable} -m pip install cmake")
+    if not _which("make", bindir):
+        plan.problems.append("no make: `module load make`, conda install -c conda-forge make, or apt-get install make")
+    if not _which("patch", bindir):
+        plan.problems.append("no patch (it applies hvdp's fixes to Horovod's source): conda install -c conda-forge "
+                             "patch, or apt-get install patch")
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not header.is_file():
+        plan.problems.append(f"no Python headers ({header} is missing): install python{pyver}-dev "
+                             f"(apt-get install python{pyver}-dev), or use a Python that ships them (conda, pyenv, "
+                             f"python.org)")
+    need = [dist for dist, mod in (("setuptools", "setuptools"), ("wheel", "wheel")) if not _version(dist)]
+    if need:
+        plan.problems.append(f"no {' and '.join(need)} in this env (Horovod builds without isolation, against "
+                             f"this env's frameworks): {sys.executable} -m pip install 'setuptools<82' wheel")
+    plan.env = env
+    return plan
+
+
+def describe(plan: Plan, recipe: Path) -> str:
+    version = _pins(recipe).get("horovod", "?")
+    lines = [f"hvdp build-horovod: Horovod {version} for {plan.python} (Python {sys.version.split()[0]})"]
+    lines += [f"  with {r}" for r in plan.reasons]
+    lines.append(f"  recipe: {recipe / 'scripts' / 'build_horovod.sh'} (its fixes: {recipe / 'csrc' / 'horovod'})")
+    cache = os.environ.get("HVDP_CACHE_DIR") or str(Path(os.environ.get("XDG_CACHE_HOME") or
+                                                          Path.home() / ".cache") / "hvdp")
+    lines.append(f"  wheel cache: {cache}/wheels/<key> (a rerun with nothing changed reuses it)")
+    lines += [f"  problem: {p}" for p in plan.problems]
+    return "\n".join(lines)
+
+
+def _pins(recipe: Path) -> dict:
+    path = recipe / "constraints.txt"
+    text = path.read_text() if path.is_file() else ""
+    return dict(line.split("==", 1) for line in text.split() if "==" in line)
+
+
+def run(args) -> int:
+    try:
+        recipe = resources.root()
+    except FileNotFoundError as e:
+        print(f"hvdp build-horovod: {e}", file=sys.stderr)
+        return 2
+    plan = make_plan(without_mpi=args.without_mpi, cpu_only=args.cpu_only)
+    print(describe(plan, recipe), flush=True)
+    if plan.problems:
+        print(f"hvdp build-horovod: cannot build: fix the {len(plan.problems)} problem(s) above and rerun",
+              file=sys.stderr)
+        return 2
+    if args.print_plan:
+        return 0
+    start = time.monotonic()
+    env = dict(os.environ, **plan.env)
+    build = subprocess.run(["bash", str(recipe / "scripts" / "build_horovod.sh")], env=env,
+                           stdout=subprocess.PIPE, text=True)
+    if build.returncode != 0:
+        print(f"hvdp build-horovod: the build failed (exit {build.returncode}); its output is above", file=sys.stderr)
+        return 1
+    wheel = build.stdout.strip().splitlines()[-1]
+    print(f"hvdp build-horovod: wheel {wheel} ({time.monotonic() - start:.0f} s)", flush=True)
+    if args.no_install:
+        print(wheel)
+        return 0
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    # The wheel replaces any Horovod of the same version; its dependencies come in the second step.
+    for cmd in (pip + ["--no-deps", "--force-reinstall", wheel], pip + [wheel]):
+        if subprocess.run(cmd).returncode != 0:
+            print(f"hvdp build-horovod: installing {wheel} failed: {' '.join(cmd)}", file=sys.stderr)
+            return 1
+    print(f"hvdp build-horovod: installed in {sys.prefix} ({time.monotonic() - start:.0f} s in all); "
+          f"check it with: hvdp doctor", flush=True)
+    return 0

@@ -1,0 +1,203 @@
+"""hvdp as an ordinary package: what a wheel carries (the Horovod build recipe, the benchmark workers), and
+`hvdp build-horovod`'s plan and preflight errors, decided from the environment without building anything.
+
+The install as a user without root (a fresh venv, `pip install` of a copy of the checkout, `hvdp doctor`, the
+preflight errors from the command line) runs under `make test-install` (HVDP_TEST_INSTALL=1; it creates a
+throwaway user, so it needs root). The real Horovod build (~10 minutes on 2 cores) is not run by any test:
+docs/install.md gives the command and what it took."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hvdp.tools import build_horovod, resources
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = [*resources.FILES, *(str(p.relative_to(ROOT)) for d in resources.DIRS for p in sorted((ROOT / d).rglob("*"))
+                               if p.is_file() and "__pycache__" not in p.parts)]
+
+
+def _copy_for_build(dest: Path) -> Path:
+    """What a build of the package reads (the metadata, the code, what setup.py ships), copied out of the tree
+    so the test neither writes build/ into the checkout nor races another build."""
+    for name in ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "MANIFEST.in", *resources.FILES):
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, dest / name)
+    for name in ("hvdp", *resources.DIRS):
+        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
+
+
+def test_the_wheel_carries_the_build_recipe_and_the_bench_workers(tmp_path):
+    src = _copy_for_build(tmp_path / "src")
+    out = tmp_path / "dist"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                           "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    [wheel] = out.glob("hvdp-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        for rel in SHIPPED:  # the repository's one copy, byte for byte
+            assert f"hvdp/_build/{rel}" in names, rel
+            assert z.read(f"hvdp/_build/{rel}") == (ROOT / rel).read_bytes(), rel
+    assert "hvdp/_build/benchmarks/train_worker.py" in names
+    assert "hvdp/_build/csrc/horovod/patches/bfloat16.patch" in names
+
+
+def test_the_recipe_is_found_in_the_checkout():
+    # An editable install or a checkout reads the repository's files; an installed copy its hvdp/_build/.
+    assert resources.root() in (ROOT, ROOT / "hvdp" / "_build")
+    for rel in SHIPPED:
+        assert filecmp.cmp(resources.path(rel), ROOT / rel, shallow=False), rel
+
+
+# The plan, with the environment faked: which distributions are installed, what is on PATH.
+@pytest.fixture
+def fake_env(monkeypatch, tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+
+    def set_env(dists=("torch",), tools=("g++", "cmake", "make", "patch"), cuda=None):
+        versions = {"torch": "2.13.0", "tensorflow": "2.21.0", "setuptools": "80", "wheel": "0.45"}
+        installed = {d: versions[d] for d in (*dists, "setuptools", "wheel")}
+        monkeypatch.setattr(build_horovod, "_version",
+                            lambda *names: next((installed[n] for n in names if n in installed), None))
+        monkeypatch.setattr(build_horovod, "_torch_cuda", lambda: cuda)
+        for old in bindir.iterdir():
+            old.unlink()
+        for tool in tools:
+            (bindir / tool).write_text("#!/bin/sh\n")
+            (bindir / tool).chmod(0o755)
+        monkeypatch.setenv("PATH", str(bindir))
+        monkeypatch.delenv("CXX", raising=False)
+        for var in ("HOROVOD_CUDA_HOME", "CUDA_HOME", "CUDA_PATH", "HOROVOD_NCCL_HOME", "NCCL_HOME"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setattr(build_horovod, "_which", lambda name, _bindir: shutil.which(name, path=str(bindir)))
+    return set_env
+
+
+def test_plan_without_a_framework_says_how_to_install_one(fake_env):
+    fake_env(dists=())
+    plan = build_horovod.make_plan()
+    assert any("neither torch nor tensorflow" in p and "pip install 'hvdp[torch]'" in p for p in plan.problems)
+
+
+@pytest.mark.parametrize("tool, fix", [("cmake", "-m pip install cmake"), ("g++", "gxx_linux-64"),
+                                       ("make", "no make"), ("patch", "no patch")])
+def test_plan_names_a_missing_tool_and_its_fix(fake_env, tool, fix):
+    fake_env(tools=[t for t in ("g++", "cmake", "make", "patch") if t != tool])
+    problems = build_horovod.make_plan().problems
+    assert len(problems) == 1 and fix in problems[0], problems
+
+
+@pytest.mark.parametrize("dists, mpi", [(("torch",), True), (("tensorflow",), False),
+                                        (("torch", "tensorflow"), False)])
+def test_plan_builds_what_the_env_has(fake_env, dists, mpi):
+    fake_env(dists=dists, tools=("g++", "cmake", "make", "patch") + (("mpicxx",) if mpi else ()))
+    plan = build_horovod.make_plan()
+    assert plan.problems == []
+    assert ("HOROVOD_WITHOUT_PYTORCH" in plan.env) == ("torch" not in dists)
+    assert ("HOROVOD_WITHOUT_TENSORFLOW" in plan.env) == ("tensorflow" not in dists)
+    assert ("HOROVOD_WITHOUT_MPI" in plan.env) == (not mpi)
+    assert "HOROVOD_GPU_OPERATIONS" not in plan.env
+    assert plan.env["PYTHON"] == sys.executable
+
+
+def test_plan_with_a_cuda_torch_and_no_toolkit_says_what_is_missing(fake_env):
+    fake_env(cuda="13.0")
+    [problem] = build_horovod.make_plan().problems
+    assert "CUDA 13.0 build" in problem and "nvidia-nccl-cu13" in problem and "--cpu-only" in problem
+    fake_env(cuda="13.0")
+    assert build_horovod.make_plan(cpu_only=True).problems == []
+
+
+def test_the_command_stops_before_building_when_a_tool_is_missing(fake_env, capsys):
+    fake_env(tools=("g++", "make", "patch"))
+    rc = build_horovod.run(type("Args", (), {"print_plan": False, "without_mpi": False, "cpu_only": False,
+                                             "no_install": False})())
+    out = capsys.readouterr()
+    assert rc == 2 and "pip install cmake" in out.out and "cannot build" in out.err
+
+
+# --- as a user without root: `make test-install` ---------------------------------------------------------
+
+USER = "hvdp-install-test"
+install = pytest.mark.skipif(os.environ.get("HVDP_TEST_INSTALL") != "1" or os.geteuid() != 0
+                             or shutil.which("useradd") is None,
+                             reason="make test-install (HVDP_TEST_INSTALL=1, as root: it creates a throwaway user)")
+
+
+def _system_python() -> str:
+    """A Python 3 a user without root can run: /usr/bin/python3, else this one if others may read it."""
+    for candidate in ("/usr/bin/python3", sys.executable):
+        if os.access(candidate, os.X_OK) and not str(Path(candidate).resolve()).startswith("/root/"):
+            return candidate
+    pytest.skip("no python3 outside /root for an unprivileged user (pyenv's live under /root)")
+
+
+@pytest.fixture(scope="module")
+def unprivileged(tmp_path_factory):
+    home = Path(f"/home/{USER}")
+    subprocess.run(["userdel", "-r", USER], capture_output=True)
+    subprocess.run(["useradd", "-m", "-d", str(home), "-s", "/bin/bash", USER], check=True)
+    try:
+        _copy_for_build(home / "hvdp")
+        subprocess.run(["chown", "-R", f"{USER}:", str(home)], check=True)
+
+        def as_user(cmd: str, timeout=600, path=None):
+            env = {"HOME": str(home), "PATH": path or "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+            env.update({k: v for k, v in os.environ.items() if k.startswith("PIP_")})
+            return subprocess.run(["runuser", "-u", USER, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
+                                   "bash", "-c", cmd], capture_output=True, text=True, cwd=home, timeout=timeout)
+        proc = as_user(f"{_system_python()} -m venv venv && venv/bin/pip install -q ./hvdp")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        yield as_user
+    finally:
+        subprocess.run(["userdel", "-r", USER], capture_output=True)
+
+
+@install
+def test_unprivileged_install_imports_and_carries_the_recipe(unprivileged):
+    proc = unprivileged("id -u && venv/bin/python -c 'import hvdp, sys; from hvdp.tools import resources; "
+                        "print(hvdp.__file__); print(resources.root())'")
+    uid, where, recipe = proc.stdout.split()
+    assert proc.returncode == 0 and uid != "0", proc.stderr
+    assert "/venv/lib/" in where and recipe.endswith("site-packages/hvdp/_build")
+    proc = unprivileged("venv/bin/pip freeze")
+    assert not any(line.lower().startswith(("torch", "tensorflow", "horovod")) for line in proc.stdout.split())
+    for rel in SHIPPED:
+        assert Path(recipe, rel).read_bytes() == (ROOT / rel).read_bytes(), rel
+
+
+@install
+def test_unprivileged_doctor_says_what_is_missing(unprivileged):
+    proc = unprivileged("venv/bin/hvdp doctor")
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "run `hvdp build-horovod`" in out and "pip install torch" in out and "make setup" not in out, out
+
+
+@install
+def test_unprivileged_build_horovod_without_a_framework_is_a_clear_error(unprivileged):
+    proc = unprivileged("venv/bin/hvdp build-horovod")
+    assert proc.returncode == 2 and "neither torch nor tensorflow" in proc.stdout and "Traceback" not in proc.stderr
+
+
+@install
+def test_unprivileged_build_horovod_without_cmake_is_a_clear_error(unprivileged, tmp_path):
+    # A PATH with the compiler and the tools but no cmake: a directory of links the user may read.
+    tools = Path(f"/home/{USER}/tools")
+    tools.mkdir(exist_ok=True)
+    for tool in ("g++", "make", "patch", "bash", "env", "sh"):
+        if shutil.which(tool) and not (tools / tool).exists():
+            (tools / tool).symlink_to(shutil.which(tool))
+    proc = unprivileged("venv/bin/hvdp build-horovod --print-plan", path=str(tools))
+    assert proc.returncode == 2 and "no cmake" in proc.stdout and "-m pip install cmake" in proc.stdout, proc.stdout
