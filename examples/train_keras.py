@@ -61,7 +61,8 @@ def training_data(adapter, cfg, x: np.ndarray, y: np.ndarray, world, **options) 
 def train(cfg) -> dict:
     """Train and evaluate on every rank (every rank must call it); returns this rank's summary, with its
     rank and the digest of its final weights. Rank 0 also saves the model (--save-model)."""
-    world = hvdp_keras.init(timeline=cfg.timeline, device=cfg.device)  # hvdp: rank, size; its own GPU if any
+    # hvdp: rank, size; its own GPU if any; with a checkpoint directory, SIGTERM/SIGUSR1 (preemption) checkpoint
+    world = hvdp_keras.init(timeline=cfg.timeline, device=cfg.device, preemption=cfg.checkpoint_dir is not None)
     if cfg.adasum:
         raise ConfigError("--adasum is implemented by the PyTorch adapter only; the TensorFlow/Keras adapters "
                           "average gradients: drop --adasum")

@@ -10,6 +10,7 @@ import os
 import secrets
 import socket
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +22,7 @@ from hvdp.core.consistency import failure, settings_mismatch
 from hvdp.core.cpus import cpu_share, threads_per_rank
 from hvdp.core.devices import DeviceRequest, gpu_index, shared_gpus, sharing_error
 from hvdp.core.errors import CheckpointError, ConfigError, SetupError
+from hvdp.core.scaling import LRScalingWarning, adaptive_warning, describe_scaling
 from hvdp.core.tuning import apply_runtime_defaults, check_shm_settings
 from hvdp.core.watchdog import EXIT_CODE as WATCHDOG_EXIT_CODE
 from hvdp.core.watchdog import Collectives, Watchdog, open_socket
@@ -150,6 +152,17 @@ def gather_or_raise(hvd, compute: Callable[[], Any], *, name: str, operation: st
     if problem is not None and cls == type(error).__name__ and message == problem[1]:
         raise error  # this rank alone failed: its own error, as it was; the others raise its message
     raise getattr(_errors, cls, _errors.RankError)(message) from (error if problem is not None else None)
+
+
+def report_scaling(rank: int, optimizer_name: str, base: float, **scaling) -> None:
+    """On rank 0: log what prepare()/DistributedOptimizer did to the rate (stderr, one line) and warn
+    (LRScalingWarning) when the linear rule meets an adaptive optimizer. `scaling`: describe_scaling's keywords."""
+    if rank != 0:
+        return
+    print(f"hvdp: {describe_scaling(base, **scaling)}", file=sys.stderr, flush=True)
+    warning = adaptive_warning(optimizer_name, **{k: v for k, v in scaling.items() if k != "warmup_steps"})
+    if warning:
+        warnings.warn(warning, LRScalingWarning, stacklevel=3)
 
 
 def agree(hvd, settings: Callable[[], dict], *, call: str) -> None:

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import sys
 import sysconfig
+import time
 import warnings
 from pathlib import Path
 from types import FrameType
@@ -21,6 +22,7 @@ PRELOAD_ENV = "HVDP_FORKSERVER_PRELOAD"  # what hvdp._preload imports in the for
 _init_site: tuple[str, str] | None = None  # (file:line, what) of an init() at a script's unguarded top level
 _guard_pid: int | None = None   # the process whose forks are watched (a forked child inherits the hook)
 _fork_warned = False
+_STARTED = time.time()  # when hvdp was imported here: the script running was read before that
 
 
 def _script_frame() -> FrameType | None:
@@ -36,12 +38,16 @@ def _script_frame() -> FrameType | None:
 
 def _unguarded_site() -> str | None:
     """"file:line" of the script's top-level line running now when it is outside a main guard, else None
-    (no script file: interactive code, `python -c`)."""
+    (no script file: interactive code, `python -c`; or a script edited since this process started, whose
+    lines on disk are no longer the ones running)."""
     site = _script_frame()
     if site is None:
         return None
+    path = Path(site.f_code.co_filename)
     try:
-        source = Path(site.f_code.co_filename).read_text()
+        if path.stat().st_mtime > _STARTED:
+            return None
+        source = path.read_text()
     except (OSError, UnicodeDecodeError):
         return None
     return f"{site.f_code.co_filename}:{site.f_lineno}" if guard_problem(source, site.f_lineno) else None
@@ -118,7 +124,6 @@ def follow(pid: int) -> None:
     the forkserver of a rank that crashed or was killed live on, and horovodrun --gloo, whose output pipe they
     hold, waits for them. One daemon thread, blocked on a pidfd (or polling once a second without one)."""
     import threading
-    import time
 
     def watch():
         try:

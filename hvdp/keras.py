@@ -27,6 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hvdp import _preemption
 from hvdp import tensorflow as _tf
 from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import ConfigError, HvdpError
@@ -50,7 +51,8 @@ from hvdp.tensorflow.data import _position, _shard
 from hvdp.tensorflow.tracking import watched
 
 
-def init(*, timeline: str | None = None, device: str | None = None, share_gpus: bool | None = None) -> World:
+def init(*, timeline: str | None = None, device: str | None = None, share_gpus: bool | None = None,
+         preemption: bool | None = None) -> World:
     """Initialise Horovod and return this process's World (see hvdp.tensorflow.init, which also gives each
     rank its own GPU when TensorFlow sees GPUs).
 
@@ -60,13 +62,16 @@ def init(*, timeline: str | None = None, device: str | None = None, share_gpus: 
         timeline: write Horovod's timeline (Chrome trace of every collective) to this path (default None).
         device: "auto", "cpu", "cuda" or "cuda:N" (default None: HVDP_DEVICE, else "auto").
         share_gpus: allow several ranks on one GPU (default None: HVDP_SHARE_GPUS=1, else False).
+        preemption: True: on SIGTERM or SIGUSR1 the callbacks (with a checkpoint_dir) stop every rank after the
+            same step, write a checkpoint and exit with 75 for a requeue (see callbacks()); default None:
+            HVDP_PREEMPTION=1, else False.
 
     Raises:
         SetupError: launched by an MPI launcher, but Horovod was built without MPI.
         ConfigError: a malformed HVDP_* environment variable, a device that cannot be had, or ranks sharing
-            a GPU unasked (see hvdp.tensorflow.init).
+            a GPU unasked (see hvdp.tensorflow.init); preemption outside the main thread or in elastic mode.
     """
-    return _tf.init(timeline=timeline, device=device, share_gpus=share_gpus)
+    return _tf.init(timeline=timeline, device=device, share_gpus=share_gpus, preemption=preemption)
 
 
 def world() -> World:
@@ -184,6 +189,7 @@ class DistributedCallback(keras.callbacks.Callback):
         self.keep = keep
         self.average_metrics = average_metrics
         self.resumed: dict | None = None
+        self._epoch = 0  # the epoch running
 
     def on_train_begin(self, logs=None):
         """Check the setup, turn XLA off, then resume the newest checkpoint or broadcast rank 0's state.
@@ -216,8 +222,10 @@ class DistributedCallback(keras.callbacks.Callback):
                         if self.checkpoint_dir else None)
         if self.resumed is not None:
             model._initial_epoch = self.resumed["epoch"]  # as keras.callbacks.BackupAndRestore does
-            log(f"resumed from epoch {self.resumed['epoch']} (optimizer step {self.resumed['global_step']}) "
-                f"of {self.checkpoint_dir}")
+            log(f"resumed from epoch {self.resumed['epoch']} step {self.resumed['step']} (optimizer step "
+                f"{self.resumed['global_step']}) of {self.checkpoint_dir}")
+            if self.resumed["step"]:
+                self._finish_epoch(self.resumed["epoch"], self.resumed["step"])
         else:
             _tf.broadcast(model, optimizer)  # builds the optimizer's state first: no fake step
 
@@ -226,10 +234,40 @@ class DistributedCallback(keras.callbacks.Callback):
         if self.resumed is not None:
             self.model._initial_epoch = None
 
+    def _finish_epoch(self, epoch: int, first: int) -> None:
+        """Train the rest of `epoch` from batch `first` (a checkpoint taken mid-epoch, on preemption) with
+        fit's own compiled step, then end the epoch as fit would (flush, checkpoint): fit runs every epoch
+        with the dataset's full number of batches, so it continues from the next one. The other callbacks
+        see no on_epoch_end for this epoch."""
+        model = self.model
+        self._epoch = epoch
+        remaining = self.data.hvdp_position.plan.steps_per_epoch - first
+        self.data.hvdp_position.set(epoch, first)
+        iterator = iter(self.data.take(remaining))  # never reaches the end its declared length asserts
+        model.reset_metrics()
+        for batch in range(0, remaining, model.steps_per_execution):
+            model.train_function(iterator)
+            self._stop_if_preempted(first + batch + model.steps_per_execution)
+        self.on_epoch_end(epoch)
+        model._initial_epoch = epoch + 1
+
     def on_epoch_begin(self, epoch, logs=None):
         """Set the data order to fit's `epoch` (when `data` was given); `logs` is unused."""
+        self._epoch = epoch
         if self.data is not None:
             self.data.hvdp_position.set(epoch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        """With preemption on (init(preemption=True)) and a checkpoint_dir: once any rank got a stop signal,
+        every rank writes the checkpoint of this step (batch `batch` of the epoch) and exits with 75
+        (hvdp.tensorflow.preemption); `logs` is unused. Collective: fit runs it on every rank."""
+        self._stop_if_preempted(batch + 1)
+
+    def _stop_if_preempted(self, step: int) -> None:
+        if self.checkpoint_dir and _preemption.enabled() and _tf.preempted():
+            save_checkpoint(self.checkpoint_dir, self.model, self.model.optimizer, epoch=self._epoch, step=step,
+                            global_step=int(self.model.optimizer.iterations), keep=self.keep)
+            _tf.exit_for_requeue()
 
     def on_epoch_end(self, epoch, logs=None):
         """Take the epoch's short last step (flush), average the numeric `logs` over ranks in place and
@@ -257,7 +295,11 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
       restores the newest checkpoint of `checkpoint_dir` on every rank and makes fit continue from its epoch);
     - with `data` (the dataset shard() returned), sets each epoch's data order from fit's epoch number;
     - averages the epoch's metrics (loss, accuracy, val_*) over ranks in the logs;
-    - with `checkpoint_dir`, writes a checkpoint at every epoch end (rank 0, atomic, keeps `keep`);
+    - with `checkpoint_dir`, writes a checkpoint at every epoch end (rank 0, atomic, keeps `keep`), and with
+      preemption on (init(preemption=True)), on a SIGTERM or SIGUSR1 to any rank one mid-epoch checkpoint
+      after the step the ranks agree on (within hvdp.tensorflow.preemption.CHECK_EVERY steps), then every
+      rank exits with 75 for a requeue; the rerun trains the rest of that epoch before fit's first epoch
+      (the later callbacks see no on_epoch_end for it), then fit continues;
     - shows fit's progress bar (verbose=1 or 2) on rank 0 only.
 
     Learning-rate scaling and warmup live in DistributedOptimizer (a LearningRateSchedule), not here.

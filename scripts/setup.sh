@@ -29,6 +29,12 @@ command -v ssh >/dev/null || missing+=(openssh-client)
 # The multihost tests run a real sshd per network-namespace host (tests/multihost).
 [[ -x /usr/sbin/sshd ]] || command -v sshd >/dev/null || missing+=(openssh-server)
 command -v ip >/dev/null || missing+=(iproute2)
+# The Slurm tests start a real cluster here (tests/slurm): munged, slurmctld and two slurmd (Debian 12: 22.05,
+# with the PMIx plugin srun --mpi=pmix uses); they run no service of the machine's own.
+for pair in munged:munge slurmctld:slurmctld slurmd:slurmd; do
+    [[ -x /usr/sbin/${pair%:*} ]] || command -v "${pair%:*}" >/dev/null || missing+=("${pair#*:}")
+done
+command -v sbatch >/dev/null || missing+=(slurm-client)
 # Spark 4 (hvdp.spark, tests/clusters) runs on Java 17 or newer: the JAVA_HOME one, else java on PATH.
 java_major="$("${JAVA_HOME:+$JAVA_HOME/bin/}java" -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1 || true)"
 [[ "${java_major:-0}" -ge 17 ]] || missing+=(openjdk-17-jre-headless)

@@ -33,6 +33,7 @@ MODULES = (
     "hvdp.core.consistency",
     "hvdp.core.devices",
     "hvdp.core.errors",
+    "hvdp.core.preemption",
     "hvdp.core.scaling",
     "hvdp.core.sharding",
     "hvdp.core.tuning",
@@ -45,10 +46,10 @@ MODULES = (
 # so the docstring must say "every rank must call it".
 COLLECTIVES = {
     "hvdp.torch": {"init", "barrier", "prepare", "shard", "broadcast", "average", "evaluate", "check_consistency", "check_finite",
-                   "save_checkpoint", "load_checkpoint", "elastic_run", "SyncBatchNorm.forward",
+                   "save_checkpoint", "load_checkpoint", "elastic_run", "preempted", "SyncBatchNorm.forward",
                    "ElasticState.sync"},
     "hvdp.tensorflow": {"init", "barrier", "shard", "allreduce_gradients", "broadcast", "average", "evaluate",
-                        "check_consistency", "check_finite", "save_checkpoint", "load_checkpoint",
+                        "check_consistency", "check_finite", "save_checkpoint", "load_checkpoint", "preempted",
                         "DistributedGradientTape.gradient", "DistributedOptimizer.apply",
                         "DistributedOptimizer.flush"},
     "hvdp.keras": {"init", "callbacks", "shard"},

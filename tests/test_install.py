@@ -52,6 +52,13 @@ def test_the_wheel_carries_the_build_recipe_and_the_bench_workers(tmp_path):
     assert "hvdp/_build/csrc/horovod/patches/bfloat16.patch" in names
 
 
+def test_the_sdist_carries_what_setup_py_ships():
+    # python -m build makes the wheel from the sdist: MANIFEST.in must name everything setup.py copies.
+    words = (ROOT / "MANIFEST.in").read_text().split()
+    assert all(rel in words for rel in resources.FILES), words
+    assert all(f"graft {rel}" in " ".join(words) for rel in resources.DIRS), words
+
+
 def test_the_recipe_is_found_in_the_checkout():
     # An editable install or a checkout reads the repository's files; an installed copy its hvdp/_build/.
     assert resources.root() in (ROOT, ROOT / "hvdp" / "_build")
@@ -117,6 +124,23 @@ def test_plan_with_a_cuda_torch_and_no_toolkit_says_what_is_missing(fake_env):
     assert "CUDA 13.0 build" in problem and "nvidia-nccl-cu13" in problem and "--cpu-only" in problem
     fake_env(cuda="13.0")
     assert build_horovod.make_plan(cpu_only=True).problems == []
+
+
+def test_plan_with_a_cuda_torch_and_pips_toolkit_builds_nccl(fake_env, monkeypatch, tmp_path):
+    # make setup-cuda's stack: cuda-toolkit[nvcc,...] and nvidia-nccl-cu13 from pip, in site-packages/nvidia.
+    site = tmp_path / "site-packages"
+    for f in ("nvidia/cu13/bin/nvcc", "nvidia/nccl/include/nccl.h"):
+        (site / f).parent.mkdir(parents=True)
+        (site / f).write_text("")
+    (site / "nvidia/cu13/bin/nvcc").chmod(0o755)
+    fake_env(cuda="13.0")
+    monkeypatch.setattr(build_horovod, "_site_packages", lambda: [site])
+    plan = build_horovod.make_plan()
+    assert plan.problems == [] and plan.gpu == "NCCL" and plan.pip_cuda
+    assert plan.env["HOROVOD_GPU_OPERATIONS"] == "NCCL"
+    assert plan.env["HOROVOD_CUDA_HOME"] == str(site / "nvidia/cu13")
+    assert plan.env["HOROVOD_NCCL_HOME"] == str(site / "nvidia/nccl")
+    assert plan.env["PATH"].startswith(str(site / "nvidia/cu13/bin"))
 
 
 def test_the_command_stops_before_building_when_a_tool_is_missing(fake_env, capsys):

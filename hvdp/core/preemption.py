@@ -41,7 +41,8 @@ class PreemptionSettings:
 
 
 def parse_signals(text: str) -> tuple[str, ...]:
-    """Signal names from a comma-separated list ("SIGTERM,SIGUSR1", "TERM,usr1" or numbers), as SIG* names.
+    """The signal names in `text`, a comma-separated list ("SIGTERM,SIGUSR1", "TERM,usr1" or numbers), as SIG*
+    names, each once.
 
     Raises:
         ConfigError: a name is not a signal of this system, or is SIGKILL or SIGSTOP (which cannot be caught),
@@ -93,20 +94,31 @@ class Agreement:
     """Decides, the same way on every rank, at which call the job stops.
 
     Every rank calls the Agreement at the same points (after each optimizer step) with whether it has seen a
-    stop signal. Call n submits this rank's flag to a sum over the ranks and returns the sum submitted at call
-    n - 1, which has arrived meanwhile: the collective overlaps the next step's work instead of adding its
-    latency, and every rank reads the same sum at the same call, so all stop after the same step. A signal is
-    acted on at the second call after it arrives on any rank. Once it returns True it submits nothing more
-    (nothing is left in flight when the ranks exit).
+    stop signal; every `every`-th call sums the flags over the ranks, and all ranks stop at the call whose sum
+    is not 0. Pipelined (the default), a checking call submits this rank's flag and returns the sum submitted
+    at the previous checking call, which has arrived meanwhile: the collective overlaps the steps in between
+    instead of adding its latency, and a signal is acted on at the second checking call after it reached any
+    rank. Not pipelined, a checking call sums and waits at once (for a framework whose collectives block).
+    Every rank reads the same sum at the same call, so all stop after the same step; once it returns True it
+    submits nothing more (nothing is left in flight when the ranks exit).
 
     Args:
         submit: start the sum over the ranks of an int (this rank's 0 or 1); returns a handle.
         wait: the sum for a handle submit returned (blocks until every rank has submitted).
         size: the number of ranks; with 1 nothing is submitted and a signal is acted on at the next call.
+        every: sum at every `every`-th call only, an integer >= 1 (default 1: every call).
+        pipelined: read each sum at the next checking call (default True), or at once (False).
+
+    Raises:
+        ConfigError: `every` is not an integer >= 1.
     """
 
-    def __init__(self, submit: Callable[[int], Any], wait: Callable[[Any], int], size: int):
+    def __init__(self, submit: Callable[[int], Any], wait: Callable[[Any], int], size: int, *, every: int = 1,
+                 pipelined: bool = True):
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ConfigError(f"the preemption check interval must be an integer >= 1 (steps), got {every!r}")
         self._submit, self._wait, self._size = submit, wait, size
+        self._every, self._pipelined = every, pipelined
         self._pending: Any = None
         self.calls = 0        # how many times the ranks have asked
         self.stopped = False  # a stop was agreed (at call `calls`)
@@ -118,12 +130,18 @@ class Agreement:
         if self._size == 1:
             self.stopped = bool(requested)
             return self.stopped
+        if self.calls % self._every:
+            return False
+        flag = 1 if requested else 0
+        if not self._pipelined:
+            self.stopped = self._wait(self._submit(flag)) > 0
+            return self.stopped
         agreed = self._pending is not None and self._wait(self._pending) > 0
         self._pending = None
         if agreed:
             self.stopped = True
             return True
-        self._pending = self._submit(1 if requested else 0)
+        self._pending = self._submit(flag)
         return False
 
 

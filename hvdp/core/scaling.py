@@ -111,4 +111,66 @@ def lr_multiplier(rule: str, size: int, *, backward_passes_per_step: int = 1, op
     return learning_rate(1.0, 0, rule=rule, size=size, backward_passes_per_step=backward_passes_per_step, op=op)
 
 
-__all__ = ["LR_RULES", "LR_OPS", "learning_rate", "lr_multiplier"]
+# Optimizers that adapt each parameter's step to its gradients' scale: the linear rule often overshoots them.
+ADAPTIVE = ("adam", "adamw", "adamax", "nadam", "radam", "adagrad", "adadelta", "adafactor", "rmsprop", "lion",
+            "lamb", "sparseadam", "ftrl")
+
+
+class LRScalingWarning(UserWarning):
+    """The linear rule met an adaptive optimizer (Adam...): silence it with
+    warnings.filterwarnings("ignore", category=hvdp.core.scaling.LRScalingWarning)."""
+
+
+def describe_scaling(base: float, *, rule: str, size: int, backward_passes_per_step: int = 1, op: str = "average",
+                     warmup_steps: int = 0) -> str:
+    """The line prepare()/DistributedOptimizer log on rank 0: what they did to the rate, in numbers.
+
+    Args:
+        base: the first param group's base rate, as the user gave it.
+        rule: "linear", "sqrt" or "none".
+        size: the number of ranks N.
+        backward_passes_per_step: k.
+        op: the reduction ("average", "sum" or "adasum").
+        warmup_steps: the ramp's length in optimizer steps.
+
+    Returns:
+        e.g. "lr 0.03 -> 0.06 (lr_scaling='linear': x2 for 2 ranks x 1 pass, op='average'), warmup from 0.03
+        over 5 steps".
+
+    Raises:
+        ConfigError: an unknown rule or op, or size/k < 1 (see learning_rate).
+    """
+    after = learning_rate(base, warmup_steps, rule=rule, size=size, backward_passes_per_step=backward_passes_per_step,
+                          op=op, warmup_steps=warmup_steps)
+    effective, _ = _factors(rule, size, backward_passes_per_step, op)
+    why = (f"lr_scaling={rule!r}: x{effective:g} for {size} rank(s) x {backward_passes_per_step} pass(es)"
+           if effective != 1.0 else f"lr_scaling={rule!r}" + (", op='adasum' needs none" if op == "adasum" else ""))
+    if op == "sum" and effective != 1.0:
+        why += f", / {size} for op='sum' (the summed gradient is {size} x the average)"
+    ramp = (f", warmup from {learning_rate(base, 0, rule=rule, size=size, backward_passes_per_step=backward_passes_per_step, op=op, warmup_steps=warmup_steps):g} "
+            f"over {warmup_steps} step(s)") if warmup_steps and effective != 1.0 else ""
+    return f"lr {base:g} -> {after:g} ({why}){ramp}"
+
+
+def adaptive_warning(optimizer_name: str, *, rule: str, size: int, backward_passes_per_step: int = 1,
+                     op: str = "average") -> str | None:
+    """The warning for the linear rule on an adaptive optimizer at more than one batch per step, or None.
+
+    Args:
+        optimizer_name: the optimizer's class name (Adam, AdamW, RMSprop...).
+        rule: the lr_scaling rule.
+        size: the number of ranks N.
+        backward_passes_per_step: k.
+        op: the reduction; Adasum needs no scaling, so no warning.
+    """
+    if rule != "linear" or op == "adasum" or size * backward_passes_per_step == 1 \
+            or optimizer_name.lower() not in ADAPTIVE:
+        return None
+    return (f"{optimizer_name} with lr_scaling='linear' multiplies its rate by {size * backward_passes_per_step} "
+            f"({size} rank(s) x {backward_passes_per_step} pass(es)); adaptive optimizers often train worse at that "
+            f"rate: consider lr_scaling='sqrt' or a warmup (warmup_steps=...). To keep linear and silence this: "
+            f"warnings.filterwarnings('ignore', category=hvdp.core.scaling.LRScalingWarning)")
+
+
+__all__ = ["LR_RULES", "LR_OPS", "learning_rate", "lr_multiplier", "ADAPTIVE", "LRScalingWarning", "describe_scaling",
+           "adaptive_warning"]

@@ -34,7 +34,9 @@ built without TensorFlow.
 # The package, one module per concern: runtime (horovod.tensorflow, init, world, GPU placement), gradients
 # (allreduce_gradients, DistributedGradientTape), optimizer (DistributedOptimizer, ScaledSchedule,
 # scale_learning_rate), data (shard, ShardPosition), collectives (broadcast, barrier, average, check_finite,
-# log, check_consistency), evaluation (evaluate), checkpoint (save_checkpoint, load_checkpoint).
+# log, check_consistency), evaluation (evaluate), checkpoint (save_checkpoint, load_checkpoint), tracking (what
+# the watchdog knows: eager collectives, an eager loop's wait for a batch), preemption (preempted,
+# exit_for_requeue).
 
 from hvdp.core.errors import HvdpError
 from hvdp.core.records import index_records
@@ -45,8 +47,9 @@ from hvdp.tensorflow.data import ShardPosition, shard
 from hvdp.tensorflow.collectives import average, barrier, broadcast, check_consistency, check_finite, log
 from hvdp.tensorflow.evaluation import evaluate
 from hvdp.tensorflow.checkpoint import FRAMEWORK, load_checkpoint, save_checkpoint  # noqa: F401  (FRAMEWORK: the same)
+from hvdp.tensorflow.preemption import exit_for_requeue, preempted
 
 __all__ = ["init", "world", "barrier", "allreduce_gradients", "DistributedGradientTape", "DistributedOptimizer",
            "ScaledSchedule", "scale_learning_rate", "broadcast", "shard", "index_records", "ShardPosition",
            "average", "check_finite", "evaluate", "log", "check_consistency", "save_checkpoint", "load_checkpoint",
-           "HvdpError"]
+           "preempted", "exit_for_requeue", "HvdpError"]

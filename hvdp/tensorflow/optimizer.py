@@ -6,6 +6,7 @@ from __future__ import annotations
 import tensorflow as tf
 import keras
 
+from hvdp import _horovod
 from hvdp.core.errors import ConfigError
 from hvdp.core.scaling import learning_rate, lr_multiplier
 from hvdp.tensorflow.gradients import _check_compression, allreduce_gradients
@@ -156,7 +157,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     Subclasses Keras's Optimizer only because model.compile requires one; everything is delegated to the
     wrapped optimizer (the same shape as keras.optimizers.LossScaleOptimizer). Calls init() if Horovod is
     not initialised yet. Serialisable (model.save / load_model) without scaling the rate twice. Gradients
-    are always averaged: there is no op="sum" or Adasum here.
+    are always averaged: there is no op="sum" or Adasum here. On rank 0 it logs (stderr, one line) what it
+    did to the rate and warns (hvdp.core.scaling.LRScalingWarning) when the linear rule meets an adaptive
+    optimizer (Adam, AdamW, RMSprop...).
 
     Args:
         optimizer: the Keras 3 optimizer to wrap, with the base learning rate (scaled in place).
@@ -196,6 +199,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.multiplier = lr_multiplier(lr_scaling, w.size, backward_passes_per_step=backward_passes_per_step)
         if not _scaled:
+            _horovod.report_scaling(w.rank, type(optimizer).__name__,
+                                    float(keras.ops.convert_to_numpy(optimizer.learning_rate)), rule=lr_scaling,
+                                    size=w.size, backward_passes_per_step=backward_passes_per_step,
+                                    warmup_steps=warmup_steps)
             scale_learning_rate(optimizer, **self._scaling())
 
     def _scaling(self) -> dict:

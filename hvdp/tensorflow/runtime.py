@@ -8,7 +8,7 @@ import os
 import tensorflow as tf
 import keras
 
-from hvdp import _horovod
+from hvdp import _horovod, _preemption
 from hvdp.core import devices as _devices
 from hvdp.core.errors import ConfigError
 from hvdp.core.world import World
@@ -17,7 +17,8 @@ from hvdp.tensorflow import tracking
 hvd = _horovod.import_horovod("tensorflow")
 
 
-def init(*, timeline: str | None = None, device: str | None = None, share_gpus: bool | None = None) -> World:
+def init(*, timeline: str | None = None, device: str | None = None, share_gpus: bool | None = None,
+         preemption: bool | None = None) -> World:
     """Initialise Horovod (horovodrun, mpirun, or plain python as size 1) and return this process's World.
 
     Every rank must call it (Horovod's init, the watchdog's address exchange and the CPU count are collective); a second
@@ -39,6 +40,10 @@ def init(*, timeline: str | None = None, device: str | None = None, share_gpus: 
             TensorFlow), "cuda" (the rank's GPU, an error without one) or "cuda:N"; default None:
             HVDP_DEVICE, else "auto".
         share_gpus: allow several ranks on one GPU (default None: HVDP_SHARE_GPUS=1, else False).
+        preemption: True: SIGTERM and SIGUSR1 (HVDP_PREEMPT_SIGNALS) no longer end the rank once the loop
+            has called preempted(); they make preempted() true on every rank at the same step (see
+            hvdp.tensorflow.preemption; hvdp.keras's callbacks call it). False: the signals' usual action.
+            Default None: HVDP_PREEMPTION=1, else False.
 
     Returns:
         This process's World (rank, size, local_rank, local_size).
@@ -47,10 +52,12 @@ def init(*, timeline: str | None = None, device: str | None = None, share_gpus: 
         SetupError: launched by mpirun or horovodrun's MPI mode, but Horovod was built without MPI.
         ConfigError: a malformed HVDP_SHM_*, HVDP_WATCHDOG_TIMEOUT, HVDP_DEVICE or HVDP_SHARE_GPUS; Keras
             runs on a backend other than TensorFlow (KERAS_BACKEND); a device that cannot be had, ranks
-            sharing a GPU unasked, or TensorFlow already using GPUs before init(): on every rank.
+            sharing a GPU unasked, or TensorFlow already using GPUs before init(): on every rank; a malformed
+            HVDP_PREEMPT_* or HVDP_PREEMPTION, or preemption outside the main thread or in elastic mode.
     """
     first = not hvd.is_initialized()
     w = _horovod.init("tensorflow", timeline)[1]
+    _preemption.enable(preemption, w)
     if _horovod.collectives() is not None:
         tracking.install(_horovod.collectives())  # the watchdog then names the eager collective a rank waits in
     _check_keras_backend(w.rank)

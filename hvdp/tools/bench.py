@@ -7,6 +7,7 @@ Each number is the median over repetitions after warm-up steps; the spread (min,
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -324,8 +325,13 @@ def run(args) -> int:
         sizes = "4096,65536,1048576,16777216,67108864" if args.quick else \
                 ",".join(str(4096 << (2 * i)) for i in range(8))  # 4 KiB .. 64 MiB
         runs, memcpys, shared = {}, [], []
+        impls = ALLREDUCE_IMPLS
+        if importlib.util.find_spec("mpi4py") is None:  # hvdp[dev] has it; a user's own env may not
+            print("[bench] mpi4py is not installed: its MPI baseline is left out (pip install mpi4py)",
+                  file=sys.stderr, flush=True)
+            impls = tuple(i for i in impls if i != "mpi4py")
         for r in range(rounds):  # interleaved like training; each (impl, size) keeps its median round (lower middle if even)
-            for impl in ALLREDUCE_IMPLS:
+            for impl in impls:
                 print(f"[bench] allreduce round {r + 1}/{rounds}: {impl} np={args.np} ...", file=sys.stderr, flush=True)
                 cmd = _launch(impl, args.np, "allreduce_worker.py",
                               ["--impl", impl, "--sizes", sizes, "--reps", "5" if args.quick else "10"], raw_env)

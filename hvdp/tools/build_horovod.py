@@ -45,6 +45,7 @@ class Plan:
     tensorflow: str | None = None
     mpi: str | None = None          # mpicxx's path, when MPI is built in
     gpu: str | None = None          # "NCCL" or None
+    pip_cuda: bool = False          # the toolkit is pip's (site-packages/nvidia/cu13): lay it out first
     env: dict = field(default_factory=dict)
     reasons: list = field(default_factory=list)
     problems: list = field(default_factory=list)
@@ -71,10 +72,24 @@ def _torch_cuda() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def _site_packages() -> list[Path]:
+    paths = sysconfig.get_paths()
+    return [Path(p) for p in dict.fromkeys((paths["purelib"], paths["platlib"]))]
+
+
+def _pip_cuda13() -> bool:
+    """Whether this env holds pip's CUDA 13 toolkit (cuda-toolkit[nvcc,...], in site-packages/nvidia/cu13), the
+    layout `make setup-cuda` builds with; scripts/cuda_stack.sh's cuda_layout makes it look like a CUDA install."""
+    return any((sp / "nvidia" / "cu13" / "bin" / "nvcc").is_file() for sp in _site_packages())
+
+
 def _cuda_home(bindir: Path) -> Path | None:
     for home in (os.environ.get("HOROVOD_CUDA_HOME"), os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
         if home and (Path(home) / "bin" / "nvcc").is_file():
             return Path(home)
+    for sp in _site_packages():
+        if (sp / "nvidia" / "cu13" / "bin" / "nvcc").is_file():
+            return sp / "nvidia" / "cu13"
     nvcc = _which("nvcc", bindir)
     return Path(nvcc).resolve().parents[1] if nvcc else None
 
@@ -82,8 +97,7 @@ def _cuda_home(bindir: Path) -> Path | None:
 def _nccl_home() -> Path | None:
     """HOROVOD_NCCL_HOME or NCCL_HOME, else pip's nvidia-nccl-cu* package (site-packages/nvidia/nccl)."""
     candidates = [os.environ.get("HOROVOD_NCCL_HOME"), os.environ.get("NCCL_HOME")]
-    for sp in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
-        candidates.append(str(Path(sp) / "nvidia" / "nccl"))
+    candidates += [str(sp / "nvidia" / "nccl") for sp in _site_packages()]
     for home in candidates:
         if home and (Path(home) / "include" / "nccl.h").is_file():
             return Path(home)
@@ -127,6 +141,7 @@ def make_plan(without_mpi: bool = False, cpu_only: bool = False) -> Plan:
         cuda, nccl = _cuda_home(bindir), _nccl_home()
         if cuda and nccl:
             plan.gpu = "NCCL"
+            plan.pip_cuda = _pip_cuda13() and str(cuda).endswith("nvidia/cu13")
             env.update(HOROVOD_GPU_OPERATIONS="NCCL", HOROVOD_CUDA_HOME=str(cuda), CUDA_HOME=str(cuda),
                        HOROVOD_NCCL_HOME=str(nccl))
             env["PATH"] = os.pathsep.join([str(cuda / "bin"), env["PATH"]])
@@ -158,7 +173,7 @@ def make_plan(without_mpi: bool = False, cpu_only: bool = False) -> Plan:
         plan.problems.append(f"no Python headers ({header} is missing): install python{pyver}-dev "
                              f"(apt-get install python{pyver}-dev), or use a Python that ships them (conda, pyenv, "
                              f"python.org)")
-    need = [dist for dist, mod in (("setuptools", "setuptools"), ("wheel", "wheel")) if not _version(dist)]
+    need = [dist for dist in ("setuptools", "wheel") if not _version(dist)]
     if need:
         plan.problems.append(f"no {' and '.join(need)} in this env (Horovod builds without isolation, against "
                              f"this env's frameworks): {sys.executable} -m pip install 'setuptools<82' wheel")
@@ -200,6 +215,12 @@ def run(args) -> int:
         return 0
     start = time.monotonic()
     env = dict(os.environ, **plan.env)
+    if plan.pip_cuda:  # the symlinks `make setup-cuda` adds to pip's CUDA wheels, by the same shell function
+        layout = subprocess.run(["bash", "-c", 'source "$1" && cuda_layout "$2"', "cuda_layout",
+                                 str(recipe / "scripts" / "cuda_stack.sh"), sys.executable])
+        if layout.returncode != 0:
+            print("hvdp build-horovod: pip's CUDA toolkit is incomplete (above)", file=sys.stderr)
+            return 2
     build = subprocess.run(["bash", str(recipe / "scripts" / "build_horovod.sh")], env=env,
                            stdout=subprocess.PIPE, text=True)
     if build.returncode != 0:

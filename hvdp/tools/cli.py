@@ -11,7 +11,8 @@ COMMANDS = {
     "doctor": ("hvdp.tools.doctor", "explain the installed stack, the launcher, and what to fix"),
     "verify": ("hvdp.tools.verify", "prove on this machine that N ranks x batch b == 1 process x batch N*b"),
     "bench": ("hvdp.tools.bench", "measure training throughput and allreduce bandwidth vs DDP and Horovod"),
-    "build-horovod": ("hvdp.tools.build_horovod", "build Horovod with hvdp's fixes for this env's frameworks and install it"),
+    "build-horovod": ("hvdp.tools.build_horovod",
+                      "build Horovod with hvdp's fixes for this env's frameworks and install it"),
 }
 
 

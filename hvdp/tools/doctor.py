@@ -153,12 +153,17 @@ def run(args) -> int:
     if _version("horovod") is None:
         problems.append("horovod is not installed: " + _fix("`hvdp build-horovod` (it builds Horovod for this env's "
                                                             "frameworks and installs it; docs/install.md)"))
-    if _version("tensorflow-cpu") is None and _version("tensorflow") is None:
+    no_tf = _version("tensorflow-cpu") is None and _version("tensorflow") is None
+    no_torch = _version("torch") is None
+    # A checkout's suite needs both frameworks; an installed hvdp (the user's own env) needs one of them.
+    own_env = resources.packaged()
+    if no_tf and not (own_env and not no_torch):
         problems.append("tensorflow is not installed (needed by hvdp.tensorflow / hvdp.keras): "
                         + _fix("pip install 'hvdp[tensorflow]', then `hvdp build-horovod`"))
-    if _version("torch") is None:
+    if no_torch and not (own_env and not no_tf):
         problems.append("torch is not installed (needed by hvdp.torch): " + _fix(
-            "pip install torch (CPU only: --index-url https://download.pytorch.org/whl/cpu), then `hvdp build-horovod`"))
+            "pip install torch (CPU only: --index-url https://download.pytorch.org/whl/cpu), "
+            "then `hvdp build-horovod`"))
     mpi = _mpi_version()
     print(f"  MPI          {mpi or 'mpirun not found'}")
     if mpi is None:
@@ -174,9 +179,14 @@ def run(args) -> int:
         print("  " + "  ".join(f"[{'X' if v else ' '}] {k}" for k, v in built.items()))
         for need, fix in (("PyTorch", "horovod not built with PyTorch"), ("TensorFlow", "horovod not built with TensorFlow"),
                           ("MPI", "horovod not built with MPI"), ("Gloo", "horovod not built with Gloo")):
-            if not built.get(need):
-                problems.append(f"{fix}: " + _fix(f"install it, then rerun `hvdp build-horovod`",
-                                                  f"`make setup` (it rebuilds Horovod with HOROVOD_WITH_{need.upper()}=1)"))
+            # In an installed hvdp, Horovod is built for what the env has: a framework it lacks, or MPI where
+            # there is no mpicxx (Gloo only), is the env's choice, not a problem.
+            skip = own_env and ((need == "PyTorch" and no_torch) or (need == "TensorFlow" and no_tf)
+                                 or (need == "MPI" and shutil.which("mpicxx") is None))
+            if not built.get(need) and not skip:
+                problems.append(f"{fix}: " + _fix(
+                    "install it, then rerun `hvdp build-horovod`",
+                    f"`make setup` (it rebuilds Horovod with HOROVOD_WITH_{need.upper()}=1)"))
     shm = has_shm_allreduce()
     if shm is not None:
         state = os.environ.get("HVDP_SHM_ALLREDUCE", "1 (hvdp's default)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 # What a complete resource root holds, relative to it: setup.py copies exactly these.
-FILES = ("scripts/build_horovod.sh", "constraints.txt")
+FILES = ("scripts/build_horovod.sh", "scripts/cuda_stack.sh", "constraints.txt")
 DIRS = ("csrc/horovod", "benchmarks")
 
 _PACKAGED = Path(__file__).resolve().parents[1] / "_build"

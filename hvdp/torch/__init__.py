@@ -19,8 +19,9 @@ the check is collective. Importing this module imports torch and horovod.torch, 
 Horovod is missing or was built without PyTorch.
 
 The adapter, one module per concern: runtime (init, world, device, log), optimizer (prepare, the LR
-hooks), weights (an epoch's uneven last step), data and streams (shard), collectives, evaluation, checkpoint,
-compiled (compile), sync_batchnorm, elastic, preemption (preempted, exit_for_requeue).
+hooks), weights (an epoch's uneven last step), data and streams (shard), workers (shard's DataLoader workers:
+forkserver, kept, checked), collectives, evaluation, checkpoint, compiled (compile), sync_batchnorm, elastic,
+preemption (preempted, exit_for_requeue), tracking (what the watchdog knows of each Horovod collective).
 """
 
 from hvdp.core.errors import HvdpError

@@ -75,6 +75,11 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     same parameter names and shapes). Calls init() if Horovod is not initialised yet. Under elastic
     horovodrun nothing is broadcast here: ElasticState.sync() does it with the ranks there are then.
 
+    On rank 0 it logs (stderr, one line) what it did to the rate, e.g. "hvdp: lr 0.03 -> 0.06
+    (lr_scaling='linear': x2 for 2 rank(s) x 1 pass(es))", and warns (hvdp.core.scaling.LRScalingWarning,
+    which warnings.filterwarnings can silence) when the linear rule meets an adaptive optimizer (Adam,
+    AdamW, RMSprop, Adagrad...). It neither copies nor moves the model: move it to device() before.
+
     Gradient clipping: call `optimizer.synchronize()`, clip, then step inside
     `with optimizer.skip_synchronize(): optimizer.step()` (see docs/pytorch.md).
 
@@ -117,6 +122,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     schedule.rate(1.0, scaled_by=1.0)  # an unknown lr_scaling: a ConfigError before anything is changed
     if sync_batchnorm:
         _convert_sync_batchnorm(model)
+    _horovod.report_scaling(hvd.rank(), type(optimizer).__name__, optimizer.param_groups[0]["lr"], rule=lr_scaling,
+                            size=hvd.size(), backward_passes_per_step=backward_passes_per_step, op=op,
+                            warmup_steps=warmup_steps)
     for group in optimizer.param_groups:
         group["lr"] = schedule.rate(group["lr"], scaled_by=1.0)  # the base rate, scaled for this world
     # Each gradient is divided by k (k passes are averaged) and weighted at an epoch's uneven end (see

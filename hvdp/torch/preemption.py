@@ -33,8 +33,8 @@ def _agreement() -> Agreement:
 def preempted() -> bool:
     """Whether the job stops now: True on every rank at the same call once any rank got a stop signal.
 
-    Call it on every rank at the same points, after each optimizer step (not between the backward passes of an
-    accumulated step, whose gradients a checkpoint does not hold). Each call adds this rank's flag to a
+    Every rank must call it, at the same points: after each optimizer step (not between the backward passes of
+    an accumulated step, whose gradients a checkpoint does not hold). Each call adds this rank's flag to a
     one-integer sum over the ranks and reads the previous call's sum, which arrived during the step: a signal
     is acted on at the second call after it reached any rank, at no measurable cost per step. When it returns
     True, write the checkpoint (save_checkpoint with the step done in this epoch) and call exit_for_requeue().

@@ -29,7 +29,8 @@ def _configure(loader_kwargs: dict, parts: dict[str, Any], *, persistent: bool) 
     a ConfigError on this rank, naming the object or the script line and the fix, when `parts` (the
     dataset, a stream's transform), collate_fn or worker_init_fn do not pickle, or when the script started
     Horovod (or is calling shard()) at its unguarded top level, which every worker would run again. An explicit
-    "fork" is the caller's choice: the fork guard of init() warns once when it forks.
+    "fork" is the caller's choice (still kept when `persistent`): the fork guard of init() warns once when it
+    forks.
 
     Args:
         loader_kwargs: shard()'s DataLoader arguments, completed in place.
@@ -44,12 +45,12 @@ def _configure(loader_kwargs: dict, parts: dict[str, Any], *, persistent: bool) 
     if context is None:
         context = loader_kwargs["multiprocessing_context"] = _workers.worker_context()
     method = context if isinstance(context, str) else context.get_start_method()
-    if method == "fork":
-        return
-    if method == "forkserver":
-        _workers.preload_forkserver(["torch"])
     if persistent:
         loader_kwargs.setdefault("persistent_workers", True)
+    if method == "fork":
+        return  # the caller's choice: fork never imports the script nor pickles; kept, it forks once per run
+    if method == "forkserver":
+        _workers.preload_forkserver(["torch"])
     call = f"shard(num_workers={workers})"
     problem = _workers.script_problem(call, method)
     if problem:

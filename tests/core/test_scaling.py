@@ -112,3 +112,37 @@ def test_learning_rate_rejects(bad, match):
     kw = dict(rule="linear", size=2, step=0) | bad
     with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace(")", r"\)")):
         learning_rate(BASE, kw.pop("step"), **kw)
+
+
+# ------------------------------------------------------------------ what prepare() says it did to the rate
+
+from hvdp.core.scaling import adaptive_warning, describe_scaling  # noqa: E402
+
+
+@pytest.mark.parametrize("kw, line", [
+    (dict(rule="linear", size=2, warmup_steps=5), "lr 0.03 -> 0.06 (lr_scaling='linear': x2 for 2 rank(s) x 1 pass(es)), "
+                                                  "warmup from 0.03 over 5 step(s)"),
+    (dict(rule="linear", size=4, op="sum"), "lr 0.03 -> 0.03 (lr_scaling='linear': x4 for 4 rank(s) x 1 pass(es), / 4 for "
+                                            "op='sum' (the summed gradient is 4 x the average))"),
+    (dict(rule="sqrt", size=2, backward_passes_per_step=2), "lr 0.03 -> 0.06 (lr_scaling='sqrt': x2 for 2 rank(s) x 2 pass(es))"),
+    (dict(rule="none", size=8), "lr 0.03 -> 0.03 (lr_scaling='none')"),
+    (dict(rule="linear", size=8, op="adasum", warmup_steps=3), "lr 0.03 -> 0.03 (lr_scaling='linear', op='adasum' needs none)"),
+])
+def test_the_rate_change_is_said_in_numbers(kw, line):
+    assert describe_scaling(0.03, **kw) == line
+
+
+@pytest.mark.parametrize("name, kw, warns", [
+    ("Adam", dict(rule="linear", size=2), True),
+    ("AdamW", dict(rule="linear", size=1, backward_passes_per_step=4), True),
+    ("RMSprop", dict(rule="linear", size=8), True),
+    ("SGD", dict(rule="linear", size=8), False),
+    ("Adam", dict(rule="sqrt", size=8), False),
+    ("Adam", dict(rule="linear", size=1), False),
+    ("Adam", dict(rule="linear", size=8, op="adasum"), False),
+])
+def test_linear_scaling_of_an_adaptive_optimizer_is_warned_with_the_way_out(name, kw, warns):
+    message = adaptive_warning(name, **kw)
+    assert (message is not None) == warns
+    if warns:
+        assert name in message and "lr_scaling='sqrt'" in message and "LRScalingWarning" in message

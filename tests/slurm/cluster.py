@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,9 +61,11 @@ class Cluster:
     started_in: float = 0.0  # seconds from the first daemon's start to both nodes idle
 
     def env(self, **extra: str) -> dict:
-        """This process's environment with SLURM_CONF pointing at the cluster (what the clients need), plus
-        `extra`; a job submitted with it inherits it (sbatch's --export=ALL)."""
-        return {**os.environ, "SLURM_CONF": str(self.conf), **extra}
+        """This process's environment without any Slurm variables (pytest itself may run inside a Slurm job)
+        and with SLURM_CONF pointing at this cluster (what the clients need), plus `extra`; a job submitted
+        with it inherits it (sbatch's --export=ALL)."""
+        mine = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
+        return {**mine, "SLURM_CONF": str(self.conf), **extra}
 
     def run(self, *argv: str, timeout: float = 60, check: bool = True, **extra_env: str) -> str:
         """Run a Slurm client (sbatch, scontrol...) against this cluster; its stdout, or an AssertionError
@@ -144,6 +147,7 @@ SlurmctldPort={ports['slurmctld']}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# cred_expire: a requeued job waits this long before it may start again (default 120 s)
 AuthInfo=socket={workdir}/munge/socket,cred_expire=10
 CredType=cred/munge
 StateSaveLocation={workdir}/state
@@ -164,13 +168,42 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/filetxt
 JobCompLoc={workdir}/jobcomp.log
+# MinJobAge: a finished job leaves slurmctld after 2 s (default 300; sbatch --wait polls late until then)
 MinJobAge=2
 KillWait={KILL_WAIT}
 ReturnToService=2
 InactiveLimit=0
+# sched_interval: how often pending jobs are looked at (default 60 s: a requeued job would wait that long)
+SchedulerParameters=sched_interval=1
 SlurmdTimeout=300
 {nodes}PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """
+
+
+PREFIX = "hvdp-slurm-"
+
+
+def make_workdir() -> Path:
+    """A new directory for a cluster, /tmp/hvdp-slurm-<this pid>-XXXX (short: Unix socket paths live there),
+    after ending the daemons of clusters whose test process has died without stopping them (a timeout's
+    SIGKILL); another live test session's cluster is left alone."""
+    _clean_leftovers()
+    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
+
+
+def _clean_leftovers() -> None:
+    owner = re.compile(rf"/tmp/{PREFIX}(\d+)-")
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            found = owner.search(cmdline.read_bytes().decode(errors="replace"))
+            if found and not Path(f"/proc/{found.group(1)}").exists():
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+    for old in Path("/tmp").glob(f"{PREFIX}*-*"):
+        found = owner.search(str(old) + "/")
+        if found and not Path(f"/proc/{found.group(1)}").exists():
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def start(workdir: Path, timeout: float = 60) -> Cluster:
@@ -251,17 +284,39 @@ def _kill_strays(conf: Path) -> None:
 
 
 def main() -> None:
-    import tempfile
+    """The figures docs/launchers.md quotes: the cluster's start, srun of the smallest hvdp job (init and one
+    average, tests/clusters/jobs.py:startup) on one node and across two, 3 times each, and the main job through
+    sbatch examples/slurm.sbatch (srun, one node), from submission to the end of its record."""
+    import statistics
+    import sys
 
-    with tempfile.TemporaryDirectory(prefix="hvdp-slurm-") as d:
-        cluster = start(Path(d))
-        try:
-            print(f"cluster up (munged, slurmctld, 2 x slurmd, nodes idle): {cluster.started_in:.2f} s")
-            t = time.monotonic()
-            out = cluster.run("srun", "-N2", "-n2", "hostname")
-            print(f"srun -N2 -n2 hostname: {time.monotonic() - t:.2f} s: {out.split()}")
-        finally:
-            stop(cluster)
+    from tests.launch import ROOT
+
+    cluster = start(make_workdir())
+    try:
+        print(f"cluster up (munged, slurmctld, 2 x slurmd, nodes idle): {cluster.started_in:.2f} s", flush=True)
+        job = [sys.executable, "-c", "from tests.clusters.jobs import startup; startup()"]
+        for nodes in (1, 2):
+            times = []
+            for _ in range(3):
+                started = time.monotonic()
+                cluster.run("srun", f"-N{nodes}", "-n2", "--mpi=pmix", *job, timeout=300,
+                            PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+                times.append(time.monotonic() - started)
+            print(f"srun -N{nodes} -n2 --mpi=pmix, init + one average: median {statistics.median(times):.1f} s "
+                  f"({', '.join(f'{t:.1f}' for t in times)})", flush=True)
+        started = time.monotonic()
+        out = cluster.workdir / "main.out"
+        job_id = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", f"--output={out}",
+                                str(ROOT / "examples" / "slurm.sbatch"), cwd=cluster.workdir,
+                                HVDP_CHECKPOINT_DIR=str(cluster.workdir / "checkpoints"))
+        record = cluster.finished(job_id)[-1]
+        print(f"sbatch examples/slurm.sbatch (srun, 1 node, 2 ranks, 12 epochs): {record['JobState']} "
+              f"{time.monotonic() - started:.1f} s from submission to the end ({record['StartTime']} to "
+              f"{record['EndTime']})", flush=True)
+    finally:
+        stop(cluster)
+        shutil.rmtree(cluster.workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1201,7 +1201,8 @@ def _in_collective_while_peer_is_late(enter, expected_op, expected_phase=None):
         assert expected_op in ops, (expected_op, seen)
         if expected_phase is not None:
             assert (expected_op, expected_phase) in seen, (expected_phase, seen)
-    assert _horovod._collectives.waiting() == (None, 0.0) and not _horovod._collectives.names()
+    # (other checks may leave handles they never waited for: only this collective must be gone)
+    assert _horovod._collectives.waiting() == (None, 0.0) and expected_op not in _horovod._collectives.names()
 
 
 @check
@@ -1261,6 +1262,30 @@ def prepare_returns_the_optimizer_to_use_and_leaves_the_model_in_place(tmp):
     assert len(grouped) == len(params) and all(a is b for a, b in zip(grouped, params))
     assert all(a is b for a, b in zip(model.parameters(), params))
     assert {p.device for p in model.parameters()} == {params[0].device}
+
+
+@check
+def prepare_says_what_it_did_to_the_rate_on_rank_0(tmp):
+    import contextlib
+    import io
+    import warnings
+
+    from hvdp.core.scaling import LRScalingWarning
+
+    model = _model(0)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ht.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01), warmup_steps=3)
+    said = [line for line in err.getvalue().splitlines() if line.startswith("hvdp: lr ")]
+    adaptive = [w for w in caught if issubclass(w.category, LRScalingWarning)]
+    if world.rank == 0:
+        assert said == [f"hvdp: lr 0.01 -> {0.01 * world.size:g} (lr_scaling='linear': x{world.size} for "
+                        f"{world.size} rank(s) x 1 pass(es))" + (", warmup from 0.01 over 3 step(s)" if world.size > 1 else "")], said
+        assert len(adaptive) == (1 if world.size > 1 else 0), adaptive  # Adam at linear x N: warned
+        assert all("Adam with lr_scaling='linear'" in str(w.message) for w in adaptive)
+    else:
+        assert not said and not adaptive, (said, adaptive)
 
 
 if __name__ == "__main__":

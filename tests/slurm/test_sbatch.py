@@ -1,0 +1,183 @@
+"""examples/slurm.sbatch on a real Slurm cluster (conftest.py): the main job with each launcher the script
+offers, on one node and across two; jobs preempted mid-epoch (SIGUSR1 to the ranks, SIGUSR1 to the batch
+shell, `scontrol requeue`) that requeue and end with the same weights as an uninterrupted job; and a job
+suspended longer than the watchdog's limit that still finishes.
+
+Every job is submitted at once, from a directory outside the checkout, and Slurm runs them as its two nodes
+(2 CPUs each) free up; the fixture sends each disturbance once that job's first checkpoint exists (so during
+its second epoch), and waits for all of them. Each test then reads its job's records (jobcomp: one line per
+run), its output file and its result line.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.launch import ROOT, result_line
+
+pytestmark = pytest.mark.slurm
+
+SCRIPT = ROOT / "examples" / "slurm.sbatch"
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+SUSPEND_SECONDS = 12
+WATCHDOG_TIMEOUT = "4"  # the suspended job's HVDP_WATCHDOG_TIMEOUT: the suspension is 3x longer
+
+
+@dataclass
+class Job:
+    label: str
+    launcher: str
+    allocation: tuple[str, ...]  # sbatch options: each form SLURM_TASKS_PER_NODE takes is exercised
+    disturb: str | None = None   # "usr1", "batch-usr1", "requeue" or "suspend", once its first checkpoint exists
+    env: dict = field(default_factory=dict)
+    id: int = 0
+    out: Path | None = None
+    checkpoints: Path | None = None
+    submitted: float = 0.0
+    disturbed: float | None = None
+    resumed: float | None = None  # when a suspended job was resumed
+    ended: float | None = None
+    runs: list[dict] = field(default_factory=list)
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace") if self.out and self.out.exists() else ""
+
+    def result(self) -> dict:
+        return result_line(self.output())
+
+    def describe(self) -> str:
+        runs = [(r.get("JobState"), r.get("ExitCode"), r.get("NodeList")) for r in self.runs]
+        return f"job {self.id} ({self.label}): runs {runs}\n--- output (last 4000 characters):\n{self.output()[-4000:]}"
+
+
+UNINTERRUPTED = {
+    ("srun", 1): ("--nodes=1", "--ntasks-per-node=2"),
+    ("srun", 2): ("--nodes=2",),  # run from a copy without the --ntasks-per-node line: one task per node, "1(x2)"
+    ("mpirun", 1): ("--nodes=1", "--ntasks-per-node=2"),
+    ("mpirun", 2): ("--nodes=2", "--ntasks-per-node=1"),
+    ("horovodrun", 1): ("--nodes=1", "--ntasks-per-node=2"),
+}
+DISTURBED = {
+    "usr1": Job("SIGUSR1 to the ranks (scancel --signal=USR1)", "srun", ("--nodes=1", "--ntasks-per-node=2"),
+                "usr1"),
+    "batch-usr1": Job("SIGUSR1 to the batch shell (scancel --batch --signal=USR1, as --signal=B:USR1@120 at the "
+                      "time limit)", "horovodrun", ("--nodes=1", "--ntasks-per-node=2"), "batch-usr1"),
+    "requeue": Job("scontrol requeue (SIGTERM to every process)", "mpirun", ("--nodes=2", "--ntasks-per-node=1"),
+                   "requeue"),
+    "suspend": Job(f"scontrol suspend for {SUSPEND_SECONDS} s, then resume", "srun",
+                   ("--nodes=1", "--ntasks-per-node=2"), "suspend", env={"HVDP_WATCHDOG_TIMEOUT": WATCHDOG_TIMEOUT}),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm, tmp_path_factory) -> dict:
+    """Every job of this module, submitted together, disturbed and waited for."""
+    work = tmp_path_factory.mktemp("sbatch")
+    todo = {(launcher, nodes): Job(f"{launcher} on {nodes} node(s)", launcher, allocation)
+            for (launcher, nodes), allocation in UNINTERRUPTED.items()}
+    todo.update(DISTURBED)
+    # A user's copy, outside the checkout, without the --ntasks-per-node line: HVDP_ROOT names the checkout
+    edited = work / "edited.sbatch"
+    edited.write_text("".join(line for line in SCRIPT.read_text().splitlines(keepends=True)
+                              if not line.startswith("#SBATCH --ntasks-per-node")))
+    todo[("srun", 2)].env = {"HVDP_ROOT": str(ROOT)}
+    for key, job in todo.items():
+        name = re.sub(r"\W+", "-", str(key)).strip("-")
+        job.out, job.checkpoints = work / f"{name}.out", work / f"{name}-checkpoints"
+        job.submitted = time.monotonic()
+        script = edited if key == ("srun", 2) else SCRIPT
+        job.id = slurm.sbatch(*job.allocation, "--cpus-per-task=1", f"--output={job.out}", str(script),
+                              cwd=work, HVDP_LAUNCHER=job.launcher, HVDP_CHECKPOINT_DIR=str(job.checkpoints),
+                              **job.env)
+    deadline = time.monotonic() + 900
+    while any(j.ended is None for j in todo.values()):
+        if time.monotonic() > deadline:
+            slurm.run("scancel", *(str(j.id) for j in todo.values() if j.ended is None), check=False)
+            break
+        for job in todo.values():
+            _drive(slurm, job)
+        time.sleep(0.1)
+    slurm.wait_idle(120)
+    report = "\n".join(f"  job {j.id:2d} {j.label}: {len(j.runs)} run(s), {j.ended - j.submitted:.0f} s from "
+                       f"submission to the end" for j in todo.values() if j.ended)
+    print(f"\nslurm jobs (all submitted at once, 2 nodes of 2 CPUs on a 2-core host):\n{report}")
+    return todo
+
+
+def _drive(slurm, job: Job) -> None:
+    """One look at `job`: disturb it when its time has come, note when it has ended for good."""
+    if job.ended is not None:
+        return
+    now = time.monotonic()
+    if job.disturb and job.disturbed is None and any(job.checkpoints.glob("ckpt-*.pt")):
+        job.disturbed = now
+        action = {"usr1": ["scancel", "--signal=USR1"], "batch-usr1": ["scancel", "--batch", "--signal=USR1"],
+                  "requeue": ["scontrol", "requeue"], "suspend": ["scontrol", "suspend"]}[job.disturb]
+        slurm.run(*action, str(job.id))
+    if job.disturb == "suspend" and job.disturbed and job.resumed is None and now > job.disturbed + SUSPEND_SECONDS:
+        job.resumed = now
+        slurm.run("scontrol", "resume", str(job.id))
+    job.runs = slurm.completions(job.id)
+    if job.runs and job.runs[-1].get("JobState") in ENDED:
+        job.ended = now
+
+
+@pytest.mark.parametrize("launcher,nodes", [("srun", 1), ("srun", 2), ("mpirun", 1), ("mpirun", 2),
+                                            ("horovodrun", 1), ("horovodrun", 2)])
+def test_main_job_trains_with_each_launcher(jobs, launcher, nodes):
+    """sbatch examples/slurm.sbatch: accuracy, every test sample counted once, the ranks on the nodes Slurm
+    gave, replicas bit-identical (the example's check_consistency fails the job otherwise) and the same
+    weights under every launcher and node count."""
+    if (launcher, nodes) == ("horovodrun", 2):
+        pytest.skip("horovodrun reaches the other nodes over ssh, under their node names: n1 and n2 are two slurmd "
+                    "on this one host, with no such host names and no sshd (tests/multihost runs horovodrun "
+                    "across two hosts over ssh; srun and mpirun start their ranks through Slurm instead)")
+    job = jobs[(launcher, nodes)]
+    assert [r["JobState"] for r in job.runs] == ["COMPLETED"], job.describe()
+    assert job.runs[0]["ExitCode"] == "0:0" and job.runs[0]["NodeCnt"] == str(nodes), job.describe()
+    result = job.result()
+    assert result["test_accuracy"] >= 0.97 and result["world_size"] == 2, job.describe()
+    assert result["test_samples"] == 359
+    assert f"2 ranks on {' '.join(['n1', 'n2'][:nodes]) if nodes == 2 else job.runs[0]['NodeList']} via {launcher}" \
+        in job.output(), job.describe()
+    reference = jobs[("srun", 1)].result()["weights_sha256"]
+    assert result["weights_sha256"] == reference, "another launcher trained other weights:\n" + job.describe()
+
+
+@pytest.mark.parametrize("disturbance", ["usr1", "batch-usr1", "requeue"])
+def test_preempted_job_requeues_and_ends_with_the_uninterrupted_weights(jobs, disturbance):
+    """A stop signal mid-epoch: every rank stops after the same step, one checkpoint, exit 75, requeue (by the
+    script after a SIGUSR1; by Slurm itself for `scontrol requeue`), and the second run resumes from that
+    checkpoint mid-epoch and ends bit-identical to the uninterrupted job."""
+    job = jobs[disturbance]
+    assert job.disturbed is not None, "the job never wrote its first checkpoint:\n" + job.describe()
+    assert len(job.runs) == 2 and job.runs[-1]["JobState"] == "COMPLETED", job.describe()
+    out = job.output()
+    assert "(restart 0)" in out and "(restart 1)" in out, job.describe()
+    resumes = re.findall(r"resumed from epoch (\d+) step (\d+)", out)
+    assert len(resumes) == 1 and int(resumes[0][1]) > 0, f"not resumed mid-epoch once: {resumes}\n" + job.describe()
+    if disturbance != "requeue":  # after a SIGUSR1 nobody but the script requeues the job
+        assert f"hvdp: requeueing job {job.id} (exit 75)" in out, job.describe()
+    result = job.result()
+    assert result["weights_sha256"] == jobs[("srun", 1)].result()["weights_sha256"], job.describe()
+    assert result["test_accuracy"] >= 0.97
+
+
+def test_suspended_job_finishes(jobs):
+    """`scontrol suspend` stops every process of the job (SIGSTOP) for 3x the watchdog's limit; after
+    `scontrol resume` the job trains on and ends as if it had never stopped."""
+    job = jobs["suspend"]
+    assert job.disturbed is not None and job.resumed is not None, job.describe()
+    out = job.output()
+    if job.runs and job.runs[-1]["JobState"] != "COMPLETED" and "hvdp watchdog" in out:
+        pytest.xfail("issue 30 item 1: after a suspension of the whole job, the watchdog takes its own pause for "
+                     "its peers' silence and ends the job")
+    assert [r["JobState"] for r in job.runs] == ["COMPLETED"], job.describe()
+    assert job.ended - job.resumed < 300
+    result = job.result()
+    assert result["weights_sha256"] == jobs[("srun", 1)].result()["weights_sha256"], job.describe()

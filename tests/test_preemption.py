@@ -1,0 +1,142 @@
+"""Preemption by hand: a stop signal sent to the ranks of examples/train_torch.py under horovodrun, and the
+rerun that resumes from its checkpoint bit-identical to an uninterrupted run; and the handlers alone, in a
+process without a framework. The same through Slurm (scancel --signal, scontrol requeue): tests/slurm."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.clusters.procs import descendants
+from tests.launch import ROOT, env, launcher_cmd, result_line, run
+
+SCRIPTS = {"torch": ROOT / "examples" / "train_torch.py", "keras": ROOT / "examples" / "train_keras.py"}
+EPOCHS = ("--epochs", "3")
+STEPS_PER_EPOCH = 23  # 1,438 training samples, 32 per rank, 2 ranks
+
+
+def ranks_of(job: subprocess.Popen, script) -> dict[int, int]:
+    """{rank: pid} of the training processes below `job` (their launcher-given rank variable)."""
+    found = {}
+    for pid in descendants(job.pid):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        for var in (b"OMPI_COMM_WORLD_RANK=", b"HOROVOD_RANK="):
+            rank = [e[len(var):] for e in environ if e.startswith(var)]
+            if rank and script.name.encode() in cmdline:
+                found[int(rank[0])] = pid
+    return found
+
+
+_UNINTERRUPTED: dict[str, dict] = {}
+
+
+def uninterrupted(framework: str) -> dict:
+    """The result of the same job run straight through (once per framework and session)."""
+    if framework not in _UNINTERRUPTED:
+        proc = run("mpi", SCRIPTS[framework], *EPOCHS, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        _UNINTERRUPTED[framework] = result_line(proc.stdout)
+    return _UNINTERRUPTED[framework]
+
+
+@pytest.mark.parametrize("framework,launcher,sig,targets", [
+    ("torch", "mpi", signal.SIGUSR1, (1,)),
+    ("torch", "gloo", signal.SIGTERM, (0, 1)),
+    ("keras", "mpi", signal.SIGTERM, (1,)),
+])
+def test_a_stop_signal_checkpoints_exits_75_and_the_rerun_is_bit_identical(tmp_path, framework, launcher, sig,
+                                                                          targets):
+    """The signal reaches some ranks (rank 1 alone: the ranks must agree) during the second epoch: every rank
+    stops after the same step, one checkpoint is written mid-epoch, the ranks exit 75 (horovodrun's Gloo
+    mode reports any failed rank as 1, naming the rank's code); the rerun resumes there and ends with the
+    uninterrupted run's weights. PyTorch through the example's loop, Keras through hvdp.keras.callbacks."""
+    script = SCRIPTS[framework]
+    job = subprocess.Popen([*launcher_cmd(launcher), str(script), *EPOCHS, "--checkpoint-dir", str(tmp_path)],
+                           cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not list(tmp_path.glob("ckpt-*")):  # the first epoch's checkpoint: the loop has asked
+            assert job.poll() is None and time.monotonic() < deadline, "no first checkpoint:\n" + job.stdout.read()
+            time.sleep(0.02)
+        ranks = ranks_of(job, script)
+        assert sorted(ranks) == [0, 1], f"found ranks {ranks}"
+        for rank in targets:
+            os.kill(ranks[rank], sig)
+        out, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    why = sig.name if 0 in targets else "a stop signal on another rank"  # what rank 0 says
+    assert f"rank {targets[0]} got {sig.name}" in out and f"hvdp: preempted ({why})" in out, out[-3000:]
+    if launcher == "mpi":
+        assert job.returncode == 75, out[-3000:]
+    else:
+        assert job.returncode == 1 and re.search(r"Exit code:\s+75", out), out[-3000:]
+    steps = sorted(int(p.name[5:13]) for p in tmp_path.glob("ckpt-*"))
+    assert steps[0] == STEPS_PER_EPOCH and steps[-1] % STEPS_PER_EPOCH, f"no mid-epoch checkpoint: {steps}"
+
+    resumed = run(launcher, script, *EPOCHS, "--checkpoint-dir", str(tmp_path), timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    epoch, step = divmod(steps[-1], STEPS_PER_EPOCH)
+    assert f"resumed from epoch {epoch} step {step} (optimizer step {steps[-1]})" in resumed.stdout
+    result, straight = result_line(resumed.stdout), uninterrupted(framework)
+    assert (result["weights_sha256"], result["test_loss"]) == (straight["weights_sha256"], straight["test_loss"])
+
+
+HANDLERS = """
+import os, signal, sys
+from hvdp import _preemption
+from hvdp.core.preemption import Agreement
+from hvdp.core.world import World
+_preemption.enable({enable}, World())
+make = lambda: Agreement(None, None, 1)  # one process: no collective
+early = sys.argv[1] == "early"
+if early:
+    os.kill(os.getpid(), signal.{sig})  # before the loop's first check: the usual action
+for step in range(10):
+    if step == 3:
+        os.kill(os.getpid(), signal.{sig})
+    if _preemption.check(make):
+        print("stopped after step", step, flush=True)
+        _preemption.exit_for_requeue(print)
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("when,expected", [("early", None), ("armed", 75)])
+def test_a_signal_waits_for_the_loop_only_once_the_loop_has_asked(sig, when, expected):
+    proc = subprocess.run([sys.executable, "-c", HANDLERS.format(enable=True, sig=sig), when], capture_output=True,
+                          text=True, cwd=ROOT, env=env(), timeout=60)
+    if expected is None:
+        assert proc.returncode == -getattr(signal, sig), proc.stdout + proc.stderr
+    else:
+        assert proc.returncode == expected, proc.stdout + proc.stderr
+        assert "stopped after step 3" in proc.stdout and f"hvdp: preempted ({sig})" in proc.stdout
+        assert f"hvdp: rank 0 got {sig}" in proc.stderr
+
+
+def test_without_preemption_a_signal_keeps_its_usual_action():
+    proc = subprocess.run([sys.executable, "-c", HANDLERS.format(enable=False, sig="SIGUSR1"), "armed"],
+                          capture_output=True, text=True, cwd=ROOT, env=env(), timeout=60)
+    assert proc.returncode == -signal.SIGUSR1 and "stopped" not in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_requeue_exit_code_and_signals_come_from_the_environment():
+    code = HANDLERS.format(enable=None, sig="SIGUSR2")
+    proc = subprocess.run([sys.executable, "-c", code, "armed"], capture_output=True, text=True, cwd=ROOT,
+                          env=env(HVDP_PREEMPTION="1", HVDP_PREEMPT_SIGNALS="USR2", HVDP_REQUEUE_EXIT_CODE="99"),
+                          timeout=60)
+    assert proc.returncode == 99 and "hvdp: preempted (SIGUSR2)" in proc.stdout, proc.stdout + proc.stderr
