@@ -355,20 +355,5 @@ def eval_means(sums: dict[str, float], count: float, rank: int) -> dict[str, flo
     return {**{name: float(total / count) for name, total in sums.items()}, "samples": int(count)}
 
 
-def eval_metrics(loss_sum: float, correct: float, count: float, rank: int) -> dict[str, float]:
-    """A classifier's eval_means: {"loss": mean loss, "accuracy": fraction correct, "samples": count}.
-
-    Args:
-        loss_sum: the sum of the per-sample losses over all ranks.
-        correct: the number of correct predictions over all ranks.
-        count: the number of samples scored over all ranks.
-        rank: this rank, named in the error.
-
-    Raises:
-        ConfigError: nothing was scored (an empty evaluation set), on every rank.
-    """
-    return eval_means({"loss": loss_sum, "accuracy": correct}, count, rank)
-
-
 __all__ = ["epoch_order", "rank_bounds", "real_count", "exact_weight", "ShardPlan", "StreamSplit", "eval_bounds",
-           "eval_means", "eval_metrics"]
+           "eval_means"]

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from hvdp.core.errors import ConfigError
-from hvdp.core.sharding import ShardPlan, StreamSplit, epoch_order, eval_bounds, eval_metrics, exact_weight, real_count
+from hvdp.core.sharding import ShardPlan, StreamSplit, epoch_order, eval_bounds, eval_means, exact_weight, real_count
 
 
 def plans(n, b, size, **kw):
@@ -218,13 +218,14 @@ def test_stream_split_refuses_bad_arguments():
         StreamSplit(batch_size=1, rank=2, size=2)
 
 
-def test_eval_metrics_are_the_means_of_the_summed_slices_and_refuse_an_empty_set():
+def test_eval_means_are_the_means_of_the_summed_slices_and_refuse_an_empty_set():
     # 3 ranks' slices of 7 samples (eval_bounds): the all-reduced sums give the one-process means.
     losses, correct = [0.5, 1.0, 1.5, 2.0, 0.25, 0.75, 3.0], [1, 0, 1, 1, 0, 1, 1]
     sums = [0.0, 0.0, 0.0]
     for r in range(3):
         lo, hi = eval_bounds(7, r, 3)
         sums = [sums[0] + sum(losses[lo:hi]), sums[1] + sum(correct[lo:hi]), sums[2] + hi - lo]
-    assert eval_metrics(*sums, rank=0) == {"loss": sum(losses) / 7, "accuracy": 5 / 7, "samples": 7}
+    assert eval_means({"loss": sums[0], "accuracy": sums[1]}, sums[2], rank=0) == \
+        {"loss": sum(losses) / 7, "accuracy": 5 / 7, "samples": 7}
     with pytest.raises(ConfigError, match=r"rank 2.*empty dataset: nothing to score"):
-        eval_metrics(0.0, 0.0, 0.0, rank=2)
+        eval_means({"loss": 0.0}, 0.0, rank=2)
