@@ -6,6 +6,7 @@ each `ray start --block` (started with start_new_session). Only those are ever s
 
 from __future__ import annotations
 
+import builtins
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from tests.launch import BIN, ROOT, env
 
+_PRINT = builtins.print  # the interpreter's own, restored by stop_ray
 SPARK_MASTER = "local-cluster[2,1,1024]"  # two workers with one core and 1 GiB each: two executors
 
 # The head's GCS is reached on 127.0.0.1; the head node itself takes the address Ray picks (this machine's
@@ -140,11 +142,14 @@ def start_ray(logs: Path) -> tuple[str, list[subprocess.Popen]]:
 
 
 def stop_ray(nodes: list[subprocess.Popen]) -> None:
-    """Disconnect this driver, then end each node's processes (start_ray's)."""
+    """Disconnect this driver, then end each node's processes (start_ray's). Ray, once this process is its
+    driver, replaces builtins.print (ray.train's print redirection), and ray.shutdown() does not put it back:
+    it is restored here, or a later test of this pytest process that pickles `print` would fail."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+    builtins.print = _PRINT
     for node in reversed(nodes):
         ray_stop(node)
 
