@@ -226,8 +226,9 @@ def watched(items, phase: str):
 def _start_watchdog(hvd, world: World) -> None:
     """Start hvdp's heartbeat thread (see hvdp.core.watchdog) once per process, for jobs of 2+ ranks.
 
-    It listens on one UDP port: on 127.0.0.1 when all ranks share this host, otherwise on the address of
-    HVDP_WATCHDOG_IFACE / HOROVOD_GLOO_IFACE when set (the interface the job runs on), else on all.
+    It listens on one UDP port: on loopback when all ranks share this host, otherwise on the addresses, IPv4
+    or IPv6, of HVDP_WATCHDOG_IFACE / HOROVOD_GLOO_IFACE when set (the interface the job runs on), else of
+    every interface. Heartbeats are only taken from the addresses of the job's hosts.
     """
     global _watchdog
     enabled, timeout, elsewhere_timeout = watchdog_settings()
@@ -237,29 +238,43 @@ def _start_watchdog(hvd, world: World) -> None:
 
     def listen():  # an error here (no address, no port) is raised on every rank, not left to hang the others
         if world.local_size == world.size:
-            bind, addresses = "127.0.0.1", ["127.0.0.1"]
+            addresses = ["127.0.0.1"] if _has_address("127.0.0.1") else ["::1"]
         else:
-            addresses = _interface_addresses(os.environ.get("HVDP_WATCHDOG_IFACE")
-                                             or os.environ.get("HOROVOD_GLOO_IFACE"))
-            bind = addresses[0] if len(addresses) == 1 else "0.0.0.0"
-        opened.append(open_socket(bind))
-        return [(a, opened[0].getsockname()[1]) for a in addresses]
+            iface = os.environ.get("HVDP_WATCHDOG_IFACE") or os.environ.get("HOROVOD_GLOO_IFACE")
+            addresses = _interface_addresses(iface)
+        opened.append(_listen_on(addresses))
+        port = opened[0].getsockname()[1]
+        return [(a, port) for a in addresses], _interface_addresses(None, every=True)
 
     try:
-        peers = gather_or_raise(hvd, listen, name="hvdp.watchdog.peers", operation="init()'s watchdog set-up")
+        listens = gather_or_raise(hvd, listen, name="hvdp.watchdog.peers", operation="init()'s watchdog set-up")
     except Exception:
         for s in opened:
             s.close()
         raise
     sock = opened[0]
+    peers = [targets for targets, _ in listens]
+    sources = {a for _, addresses in listens for a in addresses}
     # The heartbeats are signed with a per-job secret agreed through Horovod, so that no other process (or
     # other hvdp job on the host) can forge or confuse them.
     secret = hvd.broadcast_object(secrets.token_bytes(32) if world.rank == 0 else None, root_rank=0,
                                   name="hvdp.watchdog.secret")
     _watchdog = Watchdog(world.rank, peers, sock, secret=secret, timeout=timeout, on_hang=_end_job,
-                         elsewhere_timeout=elsewhere_timeout, collectives=_collectives).start()
+                         elsewhere_timeout=elsewhere_timeout, collectives=_collectives, sources=sources).start()
     atexit.register(_watchdog.stop)
 
+
+def _listen_on(addresses: list[str]) -> socket.socket:
+    """The watchdog's socket: bound to the one address, or to every interface of the addresses' families."""
+    if len(addresses) == 1:
+        return open_socket(addresses[0])
+    if all(":" not in a for a in addresses):
+        return open_socket("0.0.0.0")
+    return open_socket("::")  # dual stack: IPv6 and IPv4 peers alike
+
+
+def _has_address(address: str) -> bool:
+    return address in _interface_addresses(None, every=True)
 
 def _end_job(message: str) -> None:
     """The watchdog's end of a hung job: print why, kill this rank's own child processes (DataLoader workers,
@@ -279,14 +294,34 @@ def _end_job(message: str) -> None:
     os._exit(WATCHDOG_EXIT_CODE)
 
 
-def _interface_addresses(iface: str | None) -> list[str]:
+def _interface_addresses(iface: str | None, every: bool = False) -> list[str]:
+    """The addresses the watchdog listens on: those of interface `iface`, or of every interface but
+    loopback; IPv4 first, then IPv6 (not link-local: its scope is the receiver's, which a sender on another
+    host cannot name). With `every`: all addresses of every interface, loopback and link-local included (the
+    sources a peer's heartbeats may come from).
+
+    Raises:
+        SetupError: no usable address (an unknown interface, or one with no IPv4 or routable IPv6 address).
+    """
     import psutil  # a Horovod dependency
-    found = []
-    for name, addrs in psutil.net_if_addrs().items():
-        if (iface and name != iface) or (not iface and name == "lo"):
+    v4, v6 = [], []
+    interfaces = psutil.net_if_addrs()
+    for name, addrs in interfaces.items():
+        if not every and ((iface and name != iface) or (not iface and name == "lo")):
             continue
-        found += [a.address for a in addrs if a.family == socket.AF_INET]
-    return found or ["127.0.0.1"]
+        for a in addrs:
+            if a.family == socket.AF_INET:
+                v4.append(a.address)
+            elif a.family == socket.AF_INET6 and (every or not a.address.lower().startswith("fe80")):
+                v6.append(a.address.split("%", 1)[0])
+    if v4 or v6 or every:
+        return v4 + v6
+    where = f"interface {iface!r}" if iface else "any interface but loopback"
+    known = ", ".join(sorted(interfaces)) or "none"
+    raise SetupError(f"hvdp watchdog: {where} has no IPv4 or routable IPv6 address for the heartbeats (this "
+                     f"host's interfaces: {known}). Set HVDP_WATCHDOG_IFACE (or HOROVOD_GLOO_IFACE) to the "
+                     f"interface the job's hosts reach each other on, or HVDP_WATCHDOG=0 to run without the "
+                     f"watchdog.")
 
 
 def controller(hvd) -> str:

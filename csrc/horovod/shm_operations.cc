@@ -4,7 +4,9 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -48,16 +50,52 @@ constexpr size_t kLine = 64;  // each rank's barrier word and each part sit on t
 // spinning on would take the core it needs (on a host with as many ranks as cores, the usual case).
 constexpr auto kSpin = std::chrono::microseconds(50);
 constexpr long kSleepNanos = 100 * 1000 * 1000;  // a sleeper wakes this often to check the timeout
+// A sleeper whose clock jumped by more than this between two wake-ups (100 ms apart) was itself paused: its
+// process stopped (SIGSTOP, a suspended job, a paused VM). Its peers were paused too, or they will time out
+// on it; it gives the peer it waits for a fresh timeout from the resume.
+constexpr auto kPauseGap = std::chrono::seconds(2);
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
               "the barrier words live in shared memory and must be lock-free");
 
 struct Setup {  // what rank 0 tells the others
-  char name[64];
   uint64_t chunk_bytes;
   double timeout_seconds;
+  int64_t pid;   // rank 0's process ...
+  int fd;        // ... and its descriptor of the segment: the others open /proc/<pid>/fd/<fd>
+  uint64_t dev;  // the segment's device and inode, which the others check they opened
+  uint64_t ino;
   int ok;
 };
+
+// Test hook (tests/faults/test_shm_cleanup.py): HVDP_SHM_KILL_AT="<point>:<rank>" kills that rank with SIGKILL
+// at that point of the set-up or use, to show that no point leaves anything in /dev/shm.
+void KillAt(const char* point, int rank) {
+  static const std::string at = std::getenv("HVDP_SHM_KILL_AT") ? std::getenv("HVDP_SHM_KILL_AT") : "";
+  if (!at.empty() && at == std::string(point) + ":" + std::to_string(rank)) {
+    raise(SIGKILL);
+  }
+}
+
+// The segment, a file with no name: on /dev/shm's tmpfs (so its size limit applies, as it does to
+// shm_open), created unnamed with O_TMPFILE. Nothing can be left in /dev/shm whatever dies when: the file
+// goes with the last descriptor or mapping. A kernel without O_TMPFILE on tmpfs gets a named file unlinked
+// at once (a window of one system call). Returns the descriptor, or -1 with errno set.
+int CreateSegment(int rank) {
+  int fd = open("/dev/shm", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+  if (fd >= 0 || (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL)) {
+    return fd;
+  }
+  char name[64];
+  std::snprintf(name, sizeof(name), "/hvdp-shm-%d-%lld", static_cast<int>(getpid()),
+                static_cast<long long>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd >= 0) {
+    KillAt("named", rank);
+    shm_unlink(name);
+  }
+  return fd;
+}
 
 // 256 KiB chunks measured best on both machines this ran on, whatever their L2: 6.3 GB/s at 64 MiB with a
 // 512 KiB L2 (a chunk as large as the L2 was 4x slower), and 8.0 against 7.5 GB/s at 64 MiB and 9.0 against
@@ -217,13 +255,21 @@ ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
                                                1, static_cast<double>(1ull << 40), true, "bytes"));
     setup.chunk_bytes = std::max<size_t>((chunk + kLine - 1) / kLine * kLine, kLine * size_);
     setup.timeout_seconds = EnvNumber("HVDP_SHM_TIMEOUT_SECONDS", 60.0, 0.001, 1e9, false, "seconds");
-    std::snprintf(setup.name, sizeof(setup.name), "/hvdp-shm-%d-%lld", static_cast<int>(getpid()),
-                  static_cast<long long>(std::chrono::steady_clock::now().time_since_epoch().count()));
-    fd = shm_open(setup.name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    fd = CreateSegment(rank_);
+    KillAt("created", rank_);
     // posix_fallocate, not ftruncate: a /dev/shm too small for the segment (Docker's default is 64 MiB)
     // must fail here, not with SIGBUS in the middle of a step.
     error = fd >= 0 ? posix_fallocate(fd, 0, static_cast<off_t>(segment_bytes(setup.chunk_bytes))) : errno;
+    struct stat st {};
+    if (error == 0 && fstat(fd, &st) != 0) {
+      error = errno;
+    }
     setup.ok = error == 0;
+    setup.pid = getpid();
+    setup.fd = fd;
+    setup.dev = st.st_dev;
+    setup.ino = st.st_ino;
+    KillAt("allocated", rank_);
   }
   MPI_Bcast(&setup, sizeof(setup), MPI_BYTE, 0, comm);
   chunk_bytes_ = setup.chunk_bytes;
@@ -231,9 +277,16 @@ ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
   mapping_bytes_ = segment_bytes(chunk_bytes_);
   int ok = setup.ok;
   if (ok && rank_ != 0) {
-    fd = shm_open(setup.name, O_RDWR, 0600);
-    ok = fd >= 0;
-    error = ok ? 0 : errno;
+    // Rank 0's descriptor, reopened through /proc: it needs this user's access to rank 0's process, and it
+    // must be the very file rank 0 made (ranks in another PID namespace would reach another process).
+    const std::string path = "/proc/" + std::to_string(setup.pid) + "/fd/" + std::to_string(setup.fd);
+    fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+    struct stat st {};
+    ok = fd >= 0 && fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_dev) == setup.dev &&
+         static_cast<uint64_t>(st.st_ino) == setup.ino &&
+         static_cast<size_t>(st.st_size) == mapping_bytes_;
+    error = ok ? 0 : (fd >= 0 ? EXDEV : errno);  // EXDEV: another file than rank 0's
+    KillAt("opened", rank_);
   }
   if (ok) {
     mapping_ = mmap(nullptr, mapping_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -243,9 +296,6 @@ ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
       mapping_ = nullptr;
     }
   }
-  if (fd >= 0) {
-    close(fd);
-  }
   if (ok && rank_ == 0) {
     for (int p = 0; p < size_; ++p) {
       auto* line = new (static_cast<char*>(mapping_) + kLine * p) RankLine;
@@ -254,11 +304,13 @@ ShmAllreduce::ShmAllreduce(HorovodGlobalState* global_state)
       line->sleepers.store(0);
     }
   }
+  KillAt("mapped", rank_);
   int all_ok = 0;
   MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm);  // everyone has mapped it (or given up) ...
-  if (rank_ == 0 && setup.name[0] != '\0') {
-    shm_unlink(setup.name);  // ... so the name can go: nothing is left behind, whatever happens next
+  if (fd >= 0) {
+    close(fd);  // ... so rank 0's descriptor can go: the mappings keep the segment, and nothing else does
   }
+  KillAt("handshake", rank_);
   if (!all_ok) {
     if (!ok && (rank_ == 0 || setup.ok)) {  // the rank that failed says why
       LOG(WARNING) << "hvdp: shared-memory allreduce off: rank " << rank_ << " could not map "
@@ -321,6 +373,7 @@ char* ShmAllreduce::Slot(int rank, int which) const {
 // counts itself before it reads the generation, the arriving rank publishes its generation before it reads
 // the count, all sequentially consistent: one of the two always sees the other.)
 void ShmAllreduce::Barrier(const char* phase, const std::string& tensor) {
+  KillAt("in-use", rank_);
   ++generation_;
   RankLine& me = Line(rank_);
   me.generation.store(generation_);
@@ -350,6 +403,10 @@ void ShmAllreduce::Barrier(const char* phase, const std::string& tensor) {
 void ShmAllreduce::Sleep(RankLine& peer, int p, std::chrono::steady_clock::time_point since, const char* phase,
                          const std::string& tensor) {
   peer.sleepers.fetch_add(1);
+  auto last = std::chrono::steady_clock::now();
+  if (last - since > kPauseGap) {
+    since = last;  // paused while it spun
+  }
   while (true) {
     const uint32_t seen = peer.wake.load();
     if (peer.generation.load() >= generation_) {
@@ -357,8 +414,13 @@ void ShmAllreduce::Sleep(RankLine& peer, int p, std::chrono::steady_clock::time_
     }
     const timespec nap{0, kSleepNanos};
     Futex(&peer.wake, FUTEX_WAIT, seen, &nap);
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last > kPauseGap) {
+      since = now;  // this process was paused: the time it was stopped is not the peer's lateness
+    }
+    last = now;
     if (peer.generation.load() < generation_ &&
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count() > timeout_seconds_) {
+        std::chrono::duration<double>(now - since).count() > timeout_seconds_) {
       peer.sleepers.fetch_sub(1);
       broken_ = true;
       std::ostringstream seconds;  // 2, 0.5: as the user wrote it, not 2.000000

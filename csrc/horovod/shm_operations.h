@@ -3,7 +3,10 @@
 // docs/internals.md for how it works and docs/benchmarks.md for what it measured.
 //
 // The ranks map one segment of /dev/shm holding one cache line of barrier words and two chunk slots per
-// rank. A buffer (one tensor, or the tensors of a fused response, which skip Horovod's fusion buffer) goes
+// rank. The segment never has a name: rank 0 creates it with O_TMPFILE and the others open its descriptor
+// through /proc, so nothing is left in /dev/shm whichever rank dies at whichever point. A barrier's
+// timeout (HVDP_SHM_TIMEOUT_SECONDS) does not count the time its own process was paused (SIGSTOP, a
+// suspended job). A buffer (one tensor, or the tensors of a fused response, which skip Horovod's fusion buffer) goes
 // through in chunks of half an L2, so the slots stay in cache and the buffer itself is read once and
 // written once, like a memcpy. For each chunk, rank r (of n) owns the r-th 1/n of it, on whole cache lines:
 //   1. it copies the other ranks' parts of its input into its slot;            barrier

@@ -19,11 +19,25 @@ collective, so it keeps running while the main thread is blocked in MPI or Gloo.
 Ending the job means printing which rank, at which step and in which phase, and exiting this process with
 code 70 so that the launcher tears the job down.
 
-Every heartbeat is authenticated: a 32-byte HMAC-SHA256 tag, keyed with a secret the job agreed on at init
-(through Horovod, not over UDP), followed by the JSON body, which carries a per-sender sequence number so
-that a recorded packet cannot be replayed. A packet that is malformed, unsigned, signed with another job's
-secret, replayed or inconsistent is ignored and counted (`Watchdog.rejected`); no packet can stop the
-watching of a rank or end the thread.
+Every heartbeat is authenticated: an 8-byte job tag and a 32-byte HMAC-SHA256 tag, both keyed with a secret
+the job agreed on at init (through Horovod, not over UDP), followed by the JSON body, which carries a
+per-sender sequence number so that a recorded packet cannot be replayed. A packet that is malformed,
+unsigned, signed with another job's secret, replayed or inconsistent is ignored and counted
+(`Watchdog.rejected`); no packet can stop the watching of a rank or end the thread.
+
+Floods, by design: a datagram whose first 8 bytes are not the job's tag never reaches the process: a
+classic BPF filter on the socket (SO_ATTACH_FILTER, Linux) drops it in the kernel, so strangers' datagrams
+neither wake the thread nor take room in the socket's receive buffer (RECEIVE_BUFFER bytes asked for), where
+only the job's heartbeats queue. Where no filter can be attached, the thread does the same check itself.
+It drains the socket in batches (up to BATCH datagrams per wake-up) and drops a datagram whose source is not
+an address of one of the job's hosts, or without the job's tag, before any cryptography or parsing
+(`Watchdog.dropped`).
+
+A pause is not silence: when the whole process was stopped (SIGSTOP, Slurm's `scontrol suspend`, gang
+scheduling, a VM paused, Ctrl-Z), its own loop's clock jumps by far more than one heartbeat interval. The
+watchdog then gives every peer a fresh `timeout` window (their heartbeats could not be read while this
+process was stopped) and leaves the pause out of every duration it measures. A peer stopped alone still
+goes silent for the others, whose clocks did not jump, and is named within `timeout`.
 
 Where a rank is comes from two sources: `progress(step, phase)` and `enter(phase)` from the adapters (the
 optimizer step, a rank's DataLoader, evaluate), and a `Collectives` registry that the adapters keep by
@@ -37,12 +51,15 @@ HVDP_WATCHDOG=0).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import hmac
 import json
 import math
 import os
+import select
 import socket
+import struct
 import sys
 import threading
 import time
@@ -60,7 +77,11 @@ STARTING = "starting"
 COMPUTING = "computing its forward/backward pass"
 EXITED = "exited"
 TAG_SIZE = 32  # HMAC-SHA256 digest
+JOB_TAG_SIZE = 8  # the job's tag, checked before any cryptography
 MAX_PACKET = 4096
+BATCH = 256  # datagrams read per wake-up before the thread looks at the clock again
+RECEIVE_BUFFER = 4 << 20  # bytes asked for; the kernel caps it at net.core.rmem_max (x2)
+PAUSE_SLACK = 2.0  # seconds by which the loop may overrun its interval before it counts as a pause
 MAX_NAME = 200  # characters of a collective's name a heartbeat carries
 MAX_LACKS = 8   # names of peers' collectives a heartbeat says this rank lacks
 
@@ -166,14 +187,65 @@ def _seconds(env, name: str, default: float) -> float:
 
 
 def open_socket(bind: str = "0.0.0.0") -> socket.socket:
-    """A UDP socket bound to address `bind` (default all interfaces) on a free port, for a Watchdog.
+    """A UDP socket bound to address `bind` on a free port, for a Watchdog, with a receive buffer of up to
+    RECEIVE_BUFFER bytes. Its family follows the address: IPv6 for an IPv6 address; "::" means every
+    interface of both families (IPv4 peers then reach it as ::ffff:a.b.c.d).
+
+    Args:
+        bind: the address; default "0.0.0.0" (every IPv4 interface).
 
     Raises:
-        OSError: `bind` is not an address of this host.
+        OSError: `bind` is not an address of this host, or its family is not available.
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind((bind, 0))
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if bind == "::" else 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+        sock.bind((bind, 0))
+    except BaseException:
+        sock.close()
+        raise
     return sock
+
+
+def drop_strangers(sock: socket.socket, tag: bytes) -> bool:
+    """Attach a classic BPF filter to the UDP socket `sock` that drops, in the kernel, every datagram whose
+    payload does not start with the JOB_TAG_SIZE bytes `tag`. Returns whether it could (False where the
+    system has no SO_ATTACH_FILTER: then the watchdog's thread checks the tag itself).
+
+    A socket filter sees the datagram from its UDP header (8 bytes), IPv4 and IPv6 alike.
+    """
+    first, second = struct.unpack("!II", tag)
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    program = [(ld, 0, 0, 8), (jeq, 0, 3, first), (ld, 0, 0, 12), (jeq, 0, 1, second),
+               (ret, 0, 0, 0xFFFFFFFF), (ret, 0, 0, 0)]  # whole datagram / nothing
+    code = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *i) for i in program))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_ATTACH_FILTER", 26),
+                        struct.pack("@HP", len(program), ctypes.addressof(code)))  # struct sock_fprog
+    except OSError:
+        return False
+    return True
+
+
+def plain_address(host: str) -> str:
+    """An address as a peer list names it: without an IPv6 scope ("%eth0") or the ::ffff: of an IPv4 peer
+    seen on a dual-stack socket."""
+    host = host.split("%", 1)[0]
+    return host[7:] if host.startswith("::ffff:") and "." in host else host
+
+
+def job_tag(secret: bytes) -> bytes:
+    """The JOB_TAG_SIZE bytes every heartbeat of the job keyed by `secret` starts with: a packet without them
+    is dropped before any cryptography. Derived from the secret, so only the job's ranks know it."""
+    return hmac.new(secret, b"hvdp watchdog job tag", hashlib.sha256).digest()[:JOB_TAG_SIZE]
+
+
+def seal(secret: bytes, body: bytes) -> bytes:
+    """A heartbeat as sent: the job's tag, the HMAC-SHA256 of `body` under `secret`, then `body`."""
+    return job_tag(secret) + hmac.new(secret, body, hashlib.sha256).digest() + body
 
 
 class Watchdog:
@@ -199,6 +271,10 @@ class Watchdog:
             default prints it to stderr.
         collectives: this rank's Collectives registry, kept by the adapter (default None: none is known,
             and only a WAITING phase marks a wait in a collective).
+        sources: the addresses the job's heartbeats may come from (every address of every host of the job);
+            a datagram from any other is dropped unread. Default None: the peers' addresses.
+        on_pause: called with the message when this process finds it was paused (default: printed to stderr
+            by rank 0 only).
 
     Raises:
         ValueError: `secret` is not bytes of at least 16 (a programming error: init() makes it).
@@ -208,7 +284,8 @@ class Watchdog:
                  secret: bytes, timeout: float = DEFAULT_TIMEOUT,
                  elsewhere_timeout: float = DEFAULT_ELSEWHERE_TIMEOUT, interval: float | None = None,
                  on_hang: Callable[[str], None] | None = None, on_warning: Callable[[str], None] | None = None,
-                 collectives: Collectives | None = None):
+                 collectives: Collectives | None = None, sources: set[str] | None = None,
+                 on_pause: Callable[[str], None] | None = None):
         if not isinstance(secret, bytes) or len(secret) < 16:
             raise ValueError("Watchdog needs the job's heartbeat secret as bytes (at least 16)")
         self.rank, self.peers, self.sock, self.timeout = rank, peers, sock, timeout
@@ -216,17 +293,26 @@ class Watchdog:
         self.collectives = collectives if collectives is not None else Collectives()
         self._warned = None  # the wait (its start time) already warned about
         self._secret = secret
+        self._job = job_tag(secret)
         self._seq = 0
         self.rejected = 0  # packets ignored: malformed, unauthenticated, foreign or replayed
+        self.dropped = 0  # datagrams dropped unread: from an address outside the job, or without the job's tag
         self.interval = interval if interval is not None else min(1.0, timeout / 5)
         self.on_hang = on_hang or _abort
         self.on_warning = on_warning or _warn
+        self.on_pause = on_pause or (_warn if rank == 0 else (lambda message: None))
+        self.kernel_filter = sys.platform.startswith("linux") and drop_strangers(sock, self._job)
+        self._targets = _targets(peers, rank, sock.family)
+        self._sources = {plain_address(a) for a in (sources if sources is not None else
+                                                    [a for addresses in peers for a, _ in addresses])}
+        self.pauses: list[tuple[float, float]] = []  # (start, end) of each pause of this process, newest last
+        self._tick = time.monotonic()  # when the loop last looked at the clock
         self.step, self.phase, self.since = 0, STARTING, time.monotonic()
         self.state = {r: PeerState() for r in range(len(peers)) if r != rank}
         self.exited: set[int] = set()  # peers that left on purpose
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hvdp-watchdog", daemon=True)
-        self.sock.settimeout(self.interval)
+        self.sock.setblocking(True)  # the loop waits in poll() and reads with MSG_DONTWAIT
 
     def start(self) -> "Watchdog":
         """Start the daemon thread (once) and return this watchdog."""
@@ -268,24 +354,22 @@ class Watchdog:
         self.phase, self.since = before, time.monotonic()
 
     def _run(self) -> None:
-        last_sent = 0.0
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        last_sent = -math.inf
+        self._tick = time.monotonic()
         while not self._stop.is_set():
-            now = time.monotonic()
+            now = self._now()
             if now - last_sent >= self.interval:
                 self._send()
                 last_sent = now
             try:
-                data, _ = self.sock.recvfrom(MAX_PACKET)
-            except (socket.timeout, OSError):
-                data = None
-            if data is not None:
-                try:
-                    accepted = self._accept(data)
-                except Exception:  # untrusted input never ends the thread
-                    accepted = False
-                if not accepted:
-                    self.rejected += 1
-            now = time.monotonic()
+                ready = poller.poll(max(0.0, last_sent + self.interval - now) * 1000)
+            except (OSError, ValueError):  # the socket closed under us: stop() is under way
+                ready = []
+            if ready:
+                self._drain()
+            now = self._now()
             problem = self.diagnose(now)
             if problem:
                 self.on_hang(problem)
@@ -297,15 +381,54 @@ class Watchdog:
                     self._warned = blocked[1]
                     self.on_warning(warning)
 
+    def _drain(self) -> None:
+        """Read up to BATCH waiting datagrams; apply the job's, drop and count the rest."""
+        for _ in range(BATCH):
+            try:
+                data, source = self.sock.recvfrom(MAX_PACKET, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if data[:JOB_TAG_SIZE] != self._job or plain_address(source[0]) not in self._sources:
+                self.dropped += 1  # a stranger's: no cryptography, no parsing
+                continue
+            try:
+                accepted = self._accept(data)
+            except Exception:  # untrusted input never ends the thread
+                accepted = False
+            if not accepted:
+                self.rejected += 1
+
+    def _now(self) -> float:
+        """time.monotonic(), after noting a pause of this process: a jump of the clock since the loop last
+        looked at it by more than its interval plus PAUSE_SLACK. After one, every peer has a fresh window."""
+        now = time.monotonic()
+        last, self._tick = self._tick, now
+        if now - last > self.interval + PAUSE_SLACK:
+            self.pauses = self.pauses[-31:] + [(last, now)]
+            for peer in self.state.values():
+                peer.heard = max(peer.heard, now)
+            self.on_pause(f"hvdp watchdog: rank {self.rank}'s process was paused for {now - last:.0f} s (stopped "
+                          f"with SIGSTOP or Ctrl-Z, a suspended job, a paused VM; or its watchdog thread could not "
+                          f"run): every peer gets a fresh {self.timeout:g} s to be heard from, and the pause counts "
+                          f"in no limit.")
+        return now
+
+    def elapsed(self, since: float, now: float) -> float:
+        """Seconds from `since` to `now`, less the time this process was paused in between."""
+        paused = sum(max(0.0, min(end, now) - max(start, since)) for start, end in self.pauses)
+        return max(0.0, now - since - paused)
+
     def _sign(self, body: bytes) -> bytes:
         """The TAG_SIZE-byte tag a heartbeat carries: HMAC-SHA256 of its body under the job's secret."""
         return hmac.new(self._secret, body, hashlib.sha256).digest()
 
     def _accept(self, data: bytes) -> bool:
         """Apply one received packet; False (and no effect) unless it is a valid, fresh heartbeat of this job."""
-        if len(data) <= TAG_SIZE:
+        if len(data) <= JOB_TAG_SIZE + TAG_SIZE or data[:JOB_TAG_SIZE] != self._job:
             return False
-        tag, body = data[:TAG_SIZE], data[TAG_SIZE:]
+        tag, body = data[JOB_TAG_SIZE:JOB_TAG_SIZE + TAG_SIZE], data[JOB_TAG_SIZE + TAG_SIZE:]
         if not hmac.compare_digest(tag, self._sign(body)):
             return False
         msg = json.loads(body)
@@ -338,17 +461,15 @@ class Watchdog:
         now = time.monotonic()
         op, since = self.collectives.waiting()
         body = json.dumps({"rank": self.rank, "step": self.step, "phase": self.phase, "seq": self._seq,
-                           "for": round(max(0.0, now - self.since), 3), "op": op,
-                           "waited": round(max(0.0, now - since), 3) if op is not None else 0.0,
+                           "for": round(self.elapsed(self.since, now), 3), "op": op,
+                           "waited": round(self.elapsed(since, now), 3) if op is not None else 0.0,
                            "lacks": self._lacks(op)}).encode()
-        msg = self._sign(body) + body
-        for r, addresses in enumerate(self.peers):
-            if r != self.rank:
-                for address in addresses:
-                    try:
-                        self.sock.sendto(msg, tuple(address))
-                    except OSError:
-                        pass
+        msg = self._job + self._sign(body) + body
+        for target in self._targets:
+            try:
+                self.sock.sendto(msg, target)
+            except OSError:
+                pass
 
     def _lacks(self, op: str | None) -> list[str]:
         """While this rank waits in a collective: the collectives its peers wait on that it never submitted
@@ -390,7 +511,7 @@ class Watchdog:
                     f"network is gone. {self._me(now)}. Ending the job instead of waiting forever (timeout "
                     f"{self.timeout:g} s; HVDP_WATCHDOG_TIMEOUT changes it, HVDP_WATCHDOG=0 disables it).")
         blocked = self._blocked()
-        if blocked is not None and self.exited and now - blocked[1] > self.timeout:
+        if blocked is not None and self.exited and self.elapsed(blocked[1], now) > self.timeout:
             return (f"hvdp watchdog: {self._me(now)}, but {_ranks(sorted(self.exited))} exited (finished, or "
                     f"returned early) without it, so it can never complete: a rank-dependent code path (a "
                     f"collective called on some ranks only, or a rank that leaves its loop early). Ending the job "
@@ -433,18 +554,18 @@ class Watchdog:
         """Each rank and its collective, when every rank has been blocked longer than `timeout` in a collective
         that another rank lacks (reported by that rank while it waits); "" otherwise."""
         op, since = self.collectives.waiting()
-        if op is None or now - since <= self.timeout or len(self.state) != len(self.peers) - 1:
+        if op is None or self.elapsed(since, now) <= self.timeout or len(self.state) != len(self.peers) - 1:
             return ""
         ranks = {self.rank: (op, since, tuple(self._lacks(op)))}
         ranks.update((r, (p.op, p.op_since, p.lacks)) for r, p in self.state.items())
-        if any(o is None or now - s <= self.timeout for o, s, _ in ranks.values()):
+        if any(o is None or self.elapsed(s, now) <= self.timeout for o, s, _ in ranks.values()):
             return ""
         missing = {}
         for r, (o, _, _) in ranks.items():
             missing[r] = sorted(q for q, (_, _, lacks) in ranks.items() if q != r and o in lacks)
             if not missing[r]:
                 return ""  # every other rank has submitted it: it can still complete
-        return "; ".join(f"rank {r} waits for {o} ({now - s:.0f} s), which {_ranks(missing[r])} never submitted"
+        return "; ".join(f"rank {r} waits for {o} ({self.elapsed(s, now):.0f} s), which {_ranks(missing[r])} never submitted"
                          for r, (o, s, _) in sorted(ranks.items()))
 
     def _elsewhere(self, now: float, limit: float, outside_only: bool = False) -> str:
@@ -452,7 +573,7 @@ class Watchdog:
         in a collective longer than `limit`: outside any collective, or in another one that lacks this
         rank's (with `outside_only`, the former only)."""
         blocked = self._blocked()
-        if blocked is None or now - blocked[1] <= limit:
+        if blocked is None or self.elapsed(blocked[1], now) <= limit:
             return ""
         op = blocked[0]
 
@@ -462,18 +583,34 @@ class Watchdog:
             return p.phase == WAITING and p.step == self.step and op is None
 
         return "; ".join(f"rank {r} is alive at step {p.step}, {_doing(p.phase, p.op)}, for "
-                         f"{now - (p.op_since if p.op is not None else p.since):.0f} s"
+                         f"{self.elapsed(p.op_since if p.op is not None else p.since, now):.0f} s"
                          for r, p in sorted(self.state.items())
                          if not with_me(p) and not (outside_only and p.op is not None))
 
     def _me(self, now: float) -> str:
         op, since = self.collectives.waiting()
-        seconds = now - (since if op is not None else self.since)
+        seconds = self.elapsed(since if op is not None else self.since, now)
         me = f"rank {self.rank} is at step {self.step}, {_doing(self.phase, op)} for {seconds:.0f} s"
         if self.rejected:
             me += (f" ({self.rejected} heartbeat packet(s) were ignored as malformed, unauthenticated or from "
                    f"another job)")
+        if self.dropped:
+            me += (f" ({self.dropped} datagram(s) from addresses outside the job, or without its tag, were "
+                   f"dropped unread)")
         return me
+
+
+def _targets(peers: list[list[tuple[str, int]]], rank: int, family: int) -> list[tuple[str, int]]:
+    """Where the heartbeats go: every address of every peer that a socket of `family` can reach (an IPv4
+    address as ::ffff:a.b.c.d from an IPv6 socket; an IPv6 one not from an IPv4 socket)."""
+    targets = []
+    for r, addresses in enumerate(peers):
+        for host, port in (addresses if r != rank else []):
+            if ":" not in host:
+                targets.append((host, port) if family == socket.AF_INET else ("::ffff:" + host, port))
+            elif family == socket.AF_INET6:
+                targets.append((host, port))
+    return targets
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -501,4 +638,5 @@ def _warn(message: str) -> None:
 
 
 __all__ = ["EXIT_CODE", "DEFAULT_TIMEOUT", "DEFAULT_ELSEWHERE_TIMEOUT", "WAITING", "STARTING", "COMPUTING", "EXITED",
-           "settings", "open_socket", "Collectives", "Watchdog"]
+           "settings", "open_socket", "drop_strangers", "plain_address", "job_tag", "seal", "Collectives",
+           "Watchdog"]

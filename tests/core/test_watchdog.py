@@ -6,11 +6,12 @@ import json
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from hvdp.core.errors import ConfigError
-from hvdp.core.watchdog import WAITING, Watchdog, open_socket, settings
+from hvdp.core.watchdog import WAITING, Watchdog, job_tag, open_socket, settings
 
 
 SECRET = b"s" * 32
@@ -130,7 +131,8 @@ def test_bad_timeout_is_a_clear_error(name, bad):
 
 
 def signed(body: bytes, key: bytes = SECRET) -> bytes:
-    return hmac.new(key, body, hashlib.sha256).digest() + body
+    """A packet as a rank of the job keyed `key` sends it (hvdp.core.watchdog.seal, written out)."""
+    return job_tag(key) + hmac.new(key, body, hashlib.sha256).digest() + body
 
 
 def blob(obj) -> bytes:
@@ -183,9 +185,15 @@ def test_bad_packets_do_not_hide_a_silent_peer(name):
     assert fired[0].is_set(), f"{name}: the watchdog never diagnosed the silent peer"
     assert "rank 1 (last heard" in messages[0] and "at step 7, computing" in messages[0]
     assert dogs[0]._thread.is_alive() or fired[0].is_set()
-    if sent:
+    if not sent:
+        pass
+    elif GARBAGE[name].startswith(job_tag(SECRET)):  # the job's tag: it reaches the thread, which refuses it
         assert dogs[0].rejected >= 1, f"{name}: {sent} bad packets sent, none counted"
         assert "heartbeat packet(s) were ignored" in messages[0]
+    elif dogs[0].kernel_filter:  # no tag: dropped in the kernel, never read
+        assert dogs[0].rejected == dogs[0].dropped == 0, (name, dogs[0].rejected, dogs[0].dropped)
+    else:
+        assert dogs[0].dropped >= 1 and "dropped unread" in messages[0], (name, dogs[0].dropped)
     dogs[0]._stop.set()
 
 
@@ -349,3 +357,157 @@ def test_heartbeats_with_malformed_collective_fields_are_ignored():
                                    "waited": 1.0, "lacks": ["broadcast.b"]})))
     peer = me.state[1]
     assert peer.op == "allreduce.a" and peer.lacks == ("broadcast.b",) and time.monotonic() - peer.op_since >= 1.0
+
+
+class JumpingClock:
+    """time.monotonic() for the watchdog module, plus an offset a test raises: a pause of the whole process
+    (every thread in it stopped, SIGSTOP), as its own clock sees it after SIGCONT."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def monotonic(self):
+        return time.monotonic() + self.offset
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_a_pause_of_the_whole_process_is_not_its_peers_silence(monkeypatch):
+    """Both watchdogs see their clock jump by 30x the limit at once, as after `scontrol suspend`/`resume`:
+    neither ends the job (each gives its peer a fresh window), and a peer that then goes silent is still
+    named within the limit. The old loop ended the job at the first look after the jump."""
+    import hvdp.core.watchdog as wd
+
+    clock = JumpingClock()
+    monkeypatch.setattr(wd, "time", clock)
+    pauses = []
+    dogs, fired, messages = pair(timeout=1.0)
+    for d in dogs:
+        d.on_pause = pauses.append
+        d.start()
+    for step in range(4):
+        for d in dogs:
+            d.progress(step, "computing")
+        time.sleep(0.1)
+    clock.offset += 30.0  # the pause: 30 s gone by, in no time for the threads
+    for step in range(4, 12):
+        for d in dogs:
+            d.progress(step, "computing")
+        time.sleep(0.1)
+    assert not fired[0].is_set() and not fired[1].is_set(), messages
+    assert len(pauses) == 2 and all("was paused for 30 s" in p for p in pauses), pauses
+    assert all(len(d.pauses) == 1 for d in dogs)
+    dogs[1]._stop.set()  # now rank 1 goes silent for real
+    assert fired[0].wait(15) and "rank 1 (last heard" in messages[0], messages
+    dogs[0]._stop.set()
+
+
+def test_paused_time_counts_in_no_limit():
+    sock = open_socket("127.0.0.1")
+    dog = make_dog(0, [[("127.0.0.1", 1)], [("127.0.0.1", 2)]], sock, 5.0, lambda m: None)
+    dog.pauses = [(10.0, 20.0), (40.0, 45.0)]
+    assert dog.elapsed(5.0, 30.0) == 15.0    # 10 s of the 25 paused
+    assert dog.elapsed(15.0, 50.0) == 25.0   # half of the first pause, all of the second
+    assert dog.elapsed(50.0, 60.0) == 10.0
+    dog.collectives.submitted("k", "allreduce.g")
+    dog.collectives.wait("k")
+    name, since = dog.collectives.waiting()
+    dog.pauses = [(since + 0.001, since + 100.0)]  # waited ~100 s on the clock, ~0 of it awake
+    del dog.state[1]  # rank 1 left on purpose (its goodbye)
+    dog.exited.add(1)
+    assert dog.diagnose(since + 100.5) is None   # the exited-peer limit (5 s) is not reached ...
+    assert "exited" in dog.diagnose(since + 106.0)  # ... until 5 s awake
+    sock.close()
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["bpf-filter", "no-filter"])
+def test_datagrams_from_outside_the_job_are_dropped_before_any_cryptography(kernel, monkeypatch):
+    """A datagram without the job's tag is dropped by the socket's BPF filter, unread (or, where no filter
+    can be attached, by the thread, counted in `dropped`); the job's own heartbeats from an address it does
+    not list are dropped by the thread, before any cryptography: a rank only hears its sources."""
+    import hvdp.core.watchdog as wd
+
+    if not kernel:
+        monkeypatch.setattr(wd, "drop_strangers", lambda sock, tag: False)
+    socks = [open_socket("127.0.0.1") for _ in range(2)]
+    peers = [[("127.0.0.1", s.getsockname()[1])] for s in socks]
+    fired, messages = threading.Event(), {}
+
+    def on_hang(message):
+        messages[0] = message
+        fired.set()
+
+    deaf = Watchdog(0, peers, socks[0], secret=SECRET, timeout=1.0, interval=0.05, on_hang=on_hang,
+                    sources={"10.1.2.3"}).start()
+    talker = make_dog(1, peers, socks[1], 1.0, lambda m: None).start()
+    assert deaf.kernel_filter == kernel
+    attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _ in range(1000):
+        attacker.sendto(b"x" * 100, tuple(peers[0][0]))
+    assert fired.wait(15), "a heartbeat from an address outside `sources` was taken"
+    heard = talker._seq  # heartbeats rank 1 sent, every one dropped for its source
+    assert deaf.rejected == 0 and "dropped unread" in messages[0]
+    assert deaf.dropped >= (1000 if not kernel else 1), deaf.dropped
+    assert deaf.dropped <= heard + (1000 if not kernel else 0), (deaf.dropped, heard)
+    talker._stop.set()
+    attacker.close()
+
+
+@pytest.mark.parametrize("binds", [("::1", "::1"), ("::", "127.0.0.1")], ids=["ipv6", "dual-stack-and-ipv4"])
+def test_heartbeats_over_ipv6_and_between_families(binds):
+    """Two watchdogs on IPv6 loopback, and one on a dual-stack socket ("::") with an IPv4 peer: healthy, they
+    never fire; silenced, rank 1 is named."""
+    try:
+        socks = [open_socket(b) for b in binds]
+    except OSError as e:
+        pytest.skip(f"no IPv6 on this host: {e}")
+    peers = [[("::1" if b == "::1" else "127.0.0.1", s.getsockname()[1])] for b, s in zip(binds, socks)]
+    fired, messages = {0: threading.Event(), 1: threading.Event()}, {}
+
+    def catcher(rank):
+        def on_hang(message):
+            messages[rank] = message
+            fired[rank].set()
+        return on_hang
+
+    dogs = [make_dog(r, peers, socks[r], 0.6, catcher(r)).start() for r in range(2)]
+    for step in range(10):
+        for d in dogs:
+            d.progress(step, "computing")
+        time.sleep(0.1)
+    assert not fired[0].is_set() and not fired[1].is_set(), messages
+    assert all(d.dropped == 0 for d in dogs)
+    dogs[1]._stop.set()
+    assert fired[0].wait(15) and "rank 1 (last heard" in messages[0]
+    dogs[0]._stop.set()
+
+
+def test_addresses_as_a_peer_list_names_them():
+    from hvdp.core.watchdog import plain_address
+    assert plain_address("::ffff:10.0.0.2") == "10.0.0.2"
+    assert plain_address("fe80::1%eth0") == "fe80::1"
+    assert plain_address("fd77::2") == "fd77::2" and plain_address("10.0.0.2") == "10.0.0.2"
+
+
+def test_the_watchdog_listens_on_ipv6_where_the_interface_has_no_ipv4(monkeypatch):
+    import psutil
+
+    from hvdp import _horovod
+    from hvdp.core.errors import SetupError
+
+    def addr(family, address):  # the fields of psutil's snicaddr that the watchdog reads
+        return SimpleNamespace(family=family, address=address, netmask=None, broadcast=None, ptp=None)
+
+    interfaces = {"lo": [addr(socket.AF_INET, "127.0.0.1"), addr(socket.AF_INET6, "::1")],
+                  "ib0": [addr(socket.AF_INET6, "fe80::5%ib0"), addr(socket.AF_INET6, "fd00::5")],
+                  "eth0": [addr(socket.AF_INET, "10.0.0.5"), addr(socket.AF_INET6, "2001:db8::5")],
+                  "ll0": [addr(socket.AF_INET6, "fe80::7%ll0")]}
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: interfaces)
+    assert _horovod._interface_addresses("ib0") == ["fd00::5"]  # not link-local: no peer can name its scope
+    assert _horovod._interface_addresses("eth0") == ["10.0.0.5", "2001:db8::5"]
+    assert _horovod._interface_addresses(None) == ["10.0.0.5", "fd00::5", "2001:db8::5"]
+    assert "fe80::7" in _horovod._interface_addresses(None, every=True)
+    for iface in ("ll0", "nope"):
+        with pytest.raises(SetupError, match="HVDP_WATCHDOG_IFACE"):
+            _horovod._interface_addresses(iface)

@@ -29,6 +29,8 @@ import pytest
 
 SUBNET = "10.77.0"
 IFACE = "hvdp0"
+SUBNET6 = "fd77:0:0:77"  # a unique-local IPv6 prefix, for the IPv6-only link (Cluster.add_ipv6_link)
+IFACE6 = "hvdp6"
 NETNS_RUN = Path("/var/run/netns")
 ETC_NETNS = Path("/etc/netns")
 _NAME = re.compile(r"^hvdp-(\d+)-")
@@ -64,6 +66,21 @@ class Cluster:
     def cut_link(self, host: str) -> None:
         """Take the host's link down, as if its cable were pulled: no FIN, no RST, packets just vanish."""
         _ip("-n", self.host(host).netns, "link", "set", self.iface, "down")
+
+    def add_ipv6_link(self, iface: str = IFACE6) -> list[str]:
+        """A second link on every host, `iface`, with IPv6 addresses only (SUBNET6::<n>/64, no IPv4), on a
+        bridge of its own; returns the hosts' addresses on it. Removed with the namespaces."""
+        _ip("-n", self.switch, "link", "add", "br6", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br6", "up")
+        addresses = []
+        for i, host in enumerate(self.hosts):
+            end = "w" + host.name[-1]
+            _ip("-n", self.switch, "link", "add", end, "type", "veth", "peer", "name", iface, "netns", host.netns)
+            _ip("-n", self.switch, "link", "set", end, "master", "br6", "up")
+            addresses.append(f"{SUBNET6}::{i + 1}")
+            _ip("-n", host.netns, "addr", "add", f"{addresses[-1]}/64", "dev", iface, "nodad")  # usable at once
+            _ip("-n", host.netns, "link", "set", iface, "up")
+        return addresses
 
     def hostfile(self, slots: int = 1) -> Path:
         path = self.workdir / "hostfile"
