@@ -10,7 +10,7 @@ setup:
 	@bash scripts/setup.sh
 
 test: setup
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=40 tests
 
 # The in-process core tests only: seconds, no launcher.
 test-fast:
