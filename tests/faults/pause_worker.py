@@ -23,7 +23,10 @@ import hvdp.torch as ht  # noqa: E402
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=60)
 p.add_argument("--sleep", type=float, default=0.2, help="seconds between steps, outside any collective")
+p.add_argument("--stop-file", help="a file the test writes a step number into: every rank stops at that step "
+                                  "(written tens of steps ahead, so every rank reads it in time)")
 args = p.parse_args()
+stop_file = Path(args.stop_file) if args.stop_file else None
 
 world = ht.init()
 print(f"pause_worker: rank {world.rank} pid {os.getpid()}", flush=True)
@@ -33,6 +36,8 @@ opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
 g = torch.Generator().manual_seed(world.rank)
 x, y = torch.randn(16, 1024, generator=g), torch.randn(16, 1024, generator=g)
 for step in range(args.steps):
+    if stop_file is not None and stop_file.exists() and step >= int(stop_file.read_text()):
+        break
     if world.rank == 0:
         print(f"pause_worker: step {step}", flush=True)
     opt.zero_grad()
