@@ -276,6 +276,7 @@ def _listen_on(addresses: list[str]) -> socket.socket:
 def _has_address(address: str) -> bool:
     return address in _interface_addresses(None, every=True)
 
+
 def _end_job(message: str) -> None:
     """The watchdog's end of a hung job: print why, kill this rank's own child processes (DataLoader workers,
     the forkserver: a stuck worker keeps the launcher's output pipe open, and horovodrun --gloo waits for it),

@@ -386,9 +386,7 @@ class Watchdog:
         for _ in range(BATCH):
             try:
                 data, source = self.sock.recvfrom(MAX_PACKET, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
+            except OSError:  # nothing more waiting (BlockingIOError), or the socket is closing
                 return
             if data[:JOB_TAG_SIZE] != self._job or plain_address(source[0]) not in self._sources:
                 self.dropped += 1  # a stranger's: no cryptography, no parsing
@@ -464,7 +462,7 @@ class Watchdog:
                            "for": round(self.elapsed(self.since, now), 3), "op": op,
                            "waited": round(self.elapsed(since, now), 3) if op is not None else 0.0,
                            "lacks": self._lacks(op)}).encode()
-        msg = self._job + self._sign(body) + body
+        msg = seal(self._secret, body)
         for target in self._targets:
             try:
                 self.sock.sendto(msg, target)
