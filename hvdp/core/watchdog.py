@@ -231,8 +231,8 @@ def drop_strangers(sock: socket.socket, tag: bytes) -> bool:
 
 
 def plain_address(host: str) -> str:
-    """An address as a peer list names it: without an IPv6 scope ("%eth0") or the ::ffff: of an IPv4 peer
-    seen on a dual-stack socket."""
+    """The address `host` as a peer list names it: without an IPv6 scope ("%eth0") or the ::ffff: of an
+    IPv4 peer seen on a dual-stack socket."""
     host = host.split("%", 1)[0]
     return host[7:] if host.startswith("::ffff:") and "." in host else host
 
