@@ -58,6 +58,30 @@ apply_fixes() {
     # which counts the process set's ranks by its size(), saw none missing. resize() it, as MPI's controller does.
     sed -i 's/^  global_ranks_.reserve(size_);/  global_ranks_.resize(size_);/' "$1/horovod/common/gloo/gloo_controller.cc"
     grep -q '^  global_ranks_.resize(size_);' "$1/horovod/common/gloo/gloo_controller.cc" || { echo "gloo ranks patch failed" >&2; exit 1; }
+    # Fix 8: Python 3.12 removed distutils from the standard library (PEP 632; pypa/setuptools#4655 is this
+    # build failing there). The torch op's CMakeLists asked distutils.sysconfig for Python's include directory
+    # (and setuptools' stand-in answers with the path Python was configured for, wrong for a relocated Python:
+    # a site's module, a copied pyenv), and horovod.runner.js_run, which horovodrun imports, took
+    # find_executable from distutils.spawn. Use sysconfig and shutil.which, there since Python 3.3.
+    sed -i 's/"from distutils.sysconfig import get_python_inc; print(get_python_inc())"/"import sysconfig; print(sysconfig.get_paths()[\x27include\x27])"/' \
+        "$1/horovod/torch/CMakeLists.txt"
+    sed -i 's/^from distutils.spawn import find_executable$/from shutil import which as find_executable/' "$1/horovod/runner/js_run.py"
+    ! grep -rq 'distutils' "$1/horovod/torch/CMakeLists.txt" "$1/horovod/runner/js_run.py" \
+        || { echo "distutils patch failed" >&2; exit 1; }
+    # Fix 9: a CUDA torch with no GPU operations asked for (`hvdp build-horovod --cpu-only`; PyPI's torch for
+    # 3.12/3.13 is a CUDA build): FindPytorch called torch a CUDA build whenever torch sees a CUDA_HOME (any nvcc
+    # on PATH, or /usr/local/cuda, even without the runtime's headers and libcudart), and the torch op then
+    # required the CUDA toolkit. Unless Horovod's own configure chose CUDA (HOROVOD_GPU_OPERATIONS, which the
+    # cache key names), build torch's CPU extension: it serves CPU tensors, as --cpu-only says.
+    sed -i 's/^string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)$/&\nif(NOT HAVE_CUDA)\n    set(Pytorch_CUDA FALSE)\nendif()/' \
+        "$1/cmake/Modules/FindPytorch.cmake"
+    grep -q '^    set(Pytorch_CUDA FALSE)$' "$1/cmake/Modules/FindPytorch.cmake" \
+        || { echo "torch cpu-only patch failed" >&2; exit 1; }
+    # Fix 10: torch >= 2.14's headers need C++20 (`#error C++20 or later compatible compiler is required to use
+    # PyTorch`), and pip gives 2.14 on 3.12 and 3.13; the torch op is compiled as C++17 (fix 1) for older ones.
+    sed -i 's/^    set(CMAKE_CXX_STANDARD 17)$/&\n    if(NOT Pytorch_VERSION VERSION_LESS "2.14.0")\n        set(CMAKE_CXX_STANDARD 20)\n    endif()/' \
+        "$1/horovod/torch/CMakeLists.txt"
+    grep -q '^        set(CMAKE_CXX_STANDARD 20)$' "$1/horovod/torch/CMakeLists.txt" || { echo "torch C++20 patch failed" >&2; exit 1; }
     # Addition (not a repair): hvdp's shared-memory allreduce for ranks on one host, tried before MPI's.
     # csrc/horovod/shm_operations.cc says how it works; it is off unless HVDP_SHM_ALLREDUCE=1.
     cp "$csrc/shm_operations.h" "$csrc/shm_operations.cc" "$1/horovod/common/ops/"

@@ -3,22 +3,26 @@
 
 The install as a user without root (a fresh venv, `pip install` of a copy of the checkout, `hvdp doctor`, the
 preflight errors from the command line) runs under `make test-install` (HVDP_TEST_INSTALL=1; it creates a
-throwaway user, so it needs root). The real Horovod build (~10 minutes on 2 cores) is not run by any test:
-docs/install.md gives the command and what it took."""
+throwaway user, so it needs root). So does the whole path on Python 3.12 and 3.13: `pip install 'hvdp[torch]'`
+into a fresh venv, a real `hvdp build-horovod` (~10 minutes on 2 cores, cached for a rerun) and the main job at
+np=2; docs/install.md gives the commands and what they took."""
 
 from __future__ import annotations
 
 import filecmp
+import glob
 import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from hvdp.tools import build_horovod, resources
+from tests.launch import result_line
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = [*resources.FILES, *(str(p.relative_to(ROOT)) for d in resources.DIRS for p in sorted((ROOT / d).rglob("*"))
@@ -225,3 +229,58 @@ def test_unprivileged_build_horovod_without_cmake_is_a_clear_error(unprivileged,
             (tools / tool).symlink_to(shutil.which(tool))
     proc = unprivileged("venv/bin/hvdp build-horovod --print-plan", path=str(tools))
     assert proc.returncode == 2 and "no cmake" in proc.stdout and "-m pip install cmake" in proc.stdout, proc.stdout
+
+
+# The whole path on a newer Python, as a cluster user would take it: a fresh venv from that Python, hvdp with the
+# torch pip gives there (on PyPI a CUDA build of several GB; it runs on the CPU), Horovod built for it (Gloo
+# only, no GPU operations), and the main job at np=2. The pip cache and the Horovod wheel live outside the
+# user's HOME (which userdel -r removes), so a rerun downloads and builds nothing.
+CACHE = Path(os.environ.get("HVDP_TEST_INSTALL_CACHE", "/var/tmp/hvdp-install-test-cache"))
+
+
+def _python_for_users(version: str) -> str | None:
+    """A Python `version` that a user without root can run: $HVDP_TEST_PYTHON_3_12 (for 3.12), else
+    /opt/python-3.12*/bin/python3.12 (where a site's module, or a copy of pyenv's, would put it), else
+    python3.12 on PATH; none under /root (pyenv's versions there are not readable by others)."""
+    given = os.environ.get(f"HVDP_TEST_PYTHON_{version.replace('.', '_')}")
+    candidates = [given] if given else [*sorted(glob.glob(f"/opt/python-{version}*/bin/python{version}")),
+                                        shutil.which(f"python{version}")]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK) and not str(Path(candidate).resolve()).startswith("/root/"):
+            return candidate
+    return None
+
+
+@install
+@pytest.mark.timeout(7200)
+@pytest.mark.parametrize("version", ["3.12", "3.13"])
+def test_unprivileged_build_and_main_job_on_python(unprivileged, version):
+    python = _python_for_users(version)
+    if python is None:
+        pytest.skip(f"no Python {version} a user without root can run: set HVDP_TEST_PYTHON_{version.replace('.', '_')}"
+                    f" or put one in /opt/python-{version}.x (pyenv's under /root are not readable by others)")
+    probe = unprivileged(f"{python} -c 'import sys; print(sys.version)'")
+    if probe.returncode != 0:
+        pytest.skip(f"{python} does not run as {USER}: {probe.stderr.strip()[-300:]}")
+    home = Path(f"/home/{USER}")
+    shutil.copytree(ROOT / "examples", home / "examples", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    CACHE.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["chown", "-R", f"{USER}:", str(CACHE), str(home / "examples")], check=True)
+    venv = f"venv-{version}"
+    env = f"export HVDP_CACHE_DIR={CACHE}/hvdp PIP_CACHE_DIR={CACHE}/pip PATH=$HOME/{venv}/bin:$PATH; "
+    steps = {  # the commands docs/install.md gives, in order
+        "pip install": f"{python} -m venv {venv} && pip install -q './hvdp[torch]' scikit-learn wheel 'setuptools<82'",
+        "build": "hvdp build-horovod --without-mpi --cpu-only",
+        "job": "horovodrun --gloo -np 2 -H localhost:2 python examples/train_torch.py",
+    }
+    took, out = {}, {}
+    for step, cmd in steps.items():
+        start = time.monotonic()
+        proc = unprivileged(env + cmd, timeout=3600)
+        took[step], out[step] = round(time.monotonic() - start), proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{step} on Python {version}: {cmd}\n{out[step][-4000:]}"
+    assert "with Gloo only" in out["build"] and "installed in" in out["build"], out["build"]
+    result = result_line(out["job"])  # check_consistency() in the example raised had the replicas diverged
+    print(f"Python {version}: {took} s; test accuracy {result['test_accuracy']}")
+    assert result["world_size"] == 2 and result["test_accuracy"] >= 0.97, result
