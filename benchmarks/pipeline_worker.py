@@ -17,13 +17,21 @@ goes first alternates), with the same per-sample work (decode, random crop and f
 Rank 0 prints `bench: {json}` with each implementation's samples/s per rank (the ranks' mean) per repetition,
 and for PyTorch each epoch's start-up: seconds from the start of the epoch to its first batch (the ranks'
 mean), the warm-up epoch's (workers started for the first time) under "first_startup_s".
+
+The loaders that fork their workers every epoch in this threaded process (`hand`, `hvdp-fork`) can deadlock:
+a worker forked while another thread held a lock never starts (issue 36). They wait at most FORK_WAIT seconds
+(HVDP_BENCH_FORK_WAIT) for a batch; then this rank kills their workers, every rank reads that epoch again,
+and the report counts the epoch under "hangs". HVDP_BENCH_STALL=<loader>:<epoch>:<rank> makes that loader's
+workers on that rank wait forever in that epoch's first try, as a deadlocked fork does (the test's hook).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import signal
 import struct
 import sys
 import time
@@ -34,6 +42,8 @@ import numpy as np
 SHAPE = (64, 64, 3)
 CROP = 56
 FILES = 8
+FORK_WAIT = float(os.environ.get("HVDP_BENCH_FORK_WAIT", "60"))
+HANG_RETRIES = 3  # a fork loader's epoch read again after a deadlock, at most this many times
 
 
 def _write(directory: Path, samples: int, framework: str) -> None:
@@ -79,7 +89,8 @@ def _tensorflow(directory: Path, batch: int, rank: int, size: int):
     def count(dataset):
         return sum(int(y.shape[0]) for _, y in dataset)
 
-    return {"hvdp": lambda epoch: count(hvdp_data), "hand": lambda epoch: count(hand(epoch))}
+    return {"hvdp": lambda epoch, attempt: (count(hvdp_data), None),
+            "hand": lambda epoch, attempt: (count(hand(epoch)), None)}
 
 
 class _Images:
@@ -88,6 +99,7 @@ class _Images:
     def __init__(self, directory: Path):
         self.paths = sorted((directory / "samples").glob("*.npy"))
         self.labels = np.load(directory / "labels.npy")
+        self.stall = False  # set while a fork loader reads: the workers it forks inherit it (HVDP_BENCH_STALL)
 
     def __len__(self):
         return len(self.paths)
@@ -95,6 +107,8 @@ class _Images:
     def __getitem__(self, i):
         import torch
 
+        while self.stall:
+            time.sleep(1)
         image = np.load(self.paths[i])
         rng = np.random.default_rng()
         top, left = rng.integers(0, SHAPE[0] - CROP + 1, 2)
@@ -110,30 +124,61 @@ def _torch(directory: Path, batch: int, rank: int, size: int, compare_starts: bo
     import hvdp.torch as hvdp_torch
 
     dataset = _Images(directory)
+    fork = {"multiprocessing_context": "fork", "persistent_workers": False, "timeout": FORK_WAIT}
     loaders = {"hvdp": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2),
-               "hvdp-fork": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2,
-                                             multiprocessing_context="fork", persistent_workers=False)}
+               "hvdp-fork": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2, **fork)}
     if compare_starts:
         loaders.update({"forkserver-per-epoch": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2,
                                                                  persistent_workers=False),
                         "spawn-per-epoch": hvdp_torch.shard(dataset, batch_size=batch, seed=0, num_workers=2,
                                                             multiprocessing_context="spawn", persistent_workers=False)})
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=size, rank=rank, seed=0)
-    loaders["hand"] = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=2)
+    loaders["hand"] = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=2,
+                                                  timeout=FORK_WAIT)  # the platform's fork, every epoch
+    stall = os.environ.get("HVDP_BENCH_STALL", "")
 
     def reader(name):
-        def read(epoch):
+        def read(epoch, attempt):
             if name == "hand":
                 sampler.set_epoch(epoch)
             start, samples, startup = time.perf_counter(), 0, None
-            for _, y in loaders[name]:
-                if startup is None:
-                    startup = time.perf_counter() - start
-                samples += len(y)
+            before = set(multiprocessing.active_children())  # hvdp's kept workers are not this read's
+            dataset.stall = not attempt and stall == f"{name}:{epoch}:{rank}"  # workers forked now inherit it
+            try:
+                for _, y in loaders[name]:
+                    if startup is None:
+                        startup = time.perf_counter() - start
+                    samples += len(y)
+            except RuntimeError as error:  # "DataLoader timed out after N seconds": a worker never started
+                if "timed out" not in str(error):
+                    raise
+                for worker in set(multiprocessing.active_children()) - before:
+                    os.kill(worker.pid, signal.SIGKILL)  # a deadlocked fork ignores the loader's SIGTERM
+                    worker.join()
+                return None, None
+            finally:
+                dataset.stall = False
             return samples, startup
         return read
 
     return {name: reader(name) for name in loaders}
+
+
+def _read_everywhere(hvd, name: str, read_epoch, epoch: int, hangs: dict[str, int]) -> tuple[float, float | None]:
+    """One epoch of `name` read on every rank: (samples/s per rank, start-up s), the ranks' means; an epoch
+    that hung on any rank is read again on every rank (counted in `hangs`)."""
+    for attempt in range(HANG_RETRIES + 1):
+        hvd.broadcast_object(0, name=f"bench.start.{epoch}.{name}.{attempt}")
+        start = time.perf_counter()
+        samples, startup = read_epoch(epoch, attempt)
+        rate = None if samples is None else samples / (time.perf_counter() - start)
+        gathered = hvd.allgather_object((rate, startup), name=f"bench.rate.{epoch}.{name}.{attempt}")
+        if all(r is not None for r, _ in gathered):
+            return tuple(float(np.mean(v)) if v[0] is not None else None for v in zip(*gathered))
+        hangs[name] = hangs.get(name, 0) + 1
+    raise RuntimeError(f"pipeline bench: {name}'s workers deadlocked in all {HANG_RETRIES + 1} tries of epoch "
+                       f"{epoch} (no batch for {FORK_WAIT:.0f} s on ranks "
+                       f"{[r for r, (rate, _) in enumerate(gathered) if rate is None]})")
 
 
 def main() -> None:
@@ -166,16 +211,11 @@ def main() -> None:
     rates: dict[str, list[float]] = {name: [] for name in impls}
     startups: dict[str, list[float]] = {name: [] for name in impls}
     first: dict[str, float] = {}
+    hangs: dict[str, int] = {}
     for epoch in range(args.reps + 1):  # the first round warms up (file cache, workers, tf.data graphs)
         # ABBA: which implementation goes first alternates, so neither always follows the other's teardown
         for name, read_epoch in list(impls.items())[::1 if epoch % 2 else -1]:
-            hvd.broadcast_object(0, name=f"bench.start.{epoch}.{name}")
-            start = time.perf_counter()
-            samples = read_epoch(epoch)
-            samples, startup = samples if isinstance(samples, tuple) else (samples, None)
-            rate = samples / (time.perf_counter() - start)
-            mean, startup = (float(np.mean(v)) if v[0] is not None else None for v in
-                             zip(*hvd.allgather_object((rate, startup), name=f"bench.rate.{epoch}.{name}")))
+            mean, startup = _read_everywhere(hvd, name, read_epoch, epoch, hangs)
             if epoch:
                 rates[name].append(mean)
                 if startup is not None:
@@ -184,7 +224,7 @@ def main() -> None:
                 first[name] = startup
     if world.rank == 0:
         report = {"framework": args.framework, "np": world.size, "samples": args.samples, "batch": args.batch,
-                  "samples_per_sec_per_rank": rates}
+                  "samples_per_sec_per_rank": rates, "hangs": hangs}
         if first:
             report.update({"startup_s": startups, "first_startup_s": first})
         print("bench: " + json.dumps(report), flush=True)

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.launch import BIN, ROOT, env
+from tests.launch import BIN, ROOT, env, result_line, run
 
 
 def test_bench_quick_writes_json_and_png(tmp_path):
@@ -67,11 +67,28 @@ def test_bench_quick_writes_json_and_png(tmp_path):
             rates = m["samples_per_sec_per_rank"]
             impls = {"hvdp", "hand", "hvdp-fork"} if framework == "torch" else {"hvdp", "hand"}  # fork: as before #36
             assert set(rates) == impls and all(v > 0 for v in rates.values())
+            assert set(m["hangs"]) <= impls - {"hvdp"}  # only the loaders that fork every epoch may deadlock
             assert m["hvdp_vs_hand_per_rep"] == [rates["hvdp"] / rates["hand"]] == [m["hvdp_vs_hand"]]
             if framework == "torch":  # each epoch's start-up (its first batch), and the warm-up epoch's
                 assert set(m["startup_s"]) == set(m["first_startup_s"]) == impls
                 assert all(0 < v < 120 for v in [*m["startup_s"].values(), *m["first_startup_s"].values()]), m
     assert "input pipeline" in proc.stdout
+
+
+def test_a_deadlocked_fork_in_the_pipeline_bench_is_read_again_not_waited_on(tmp_path):
+    """The bench's fork-every-epoch loaders (`hand`, `hvdp-fork`) can deadlock in a threaded rank (issue 36); it
+    hung `make test` for 15 minutes once. Rank 1's `hand` workers made to wait forever in epoch 1, as a
+    deadlocked fork does: that rank is unblocked after HVDP_BENCH_FORK_WAIT, both ranks read the epoch again,
+    and the report counts it. Without the loader's timeout this run waits until the test's own."""
+    proc = run("mpi", ROOT / "benchmarks" / "pipeline_worker.py", "--framework", "torch", "--dir", str(tmp_path),
+               "--samples", "512", "--reps", "2", timeout=300,
+               extra_env={"HVDP_BENCH_STALL": "hand:1:1", "HVDP_BENCH_FORK_WAIT": "5"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = result_line(proc.stdout, "bench: ")
+    assert report["hangs"] == {"hand": 1}
+    assert all(len(reps) == 2 and all(r > 0 for r in reps) for reps in report["samples_per_sec_per_rank"].values())
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not left, f"workers left running: {left}"  # the stalled ones were killed, not orphaned
 
 
 @pytest.mark.parametrize("args, message", [

@@ -253,12 +253,14 @@ def _pipeline(framework: str, args, rounds: int, raw_env: dict) -> dict:
             cmd = _launch("hvdp", np_, "pipeline_worker.py", ["--framework", framework, "--dir", directory,
                                                               "--samples", str(samples), "--reps", str(reps), *extra],
                           raw_env)
-            result = _run(cmd, raw_env, timeout=900)[0]
+            result = _run(cmd, raw_env)[0]
             rates = result["samples_per_sec_per_rank"]
             ratios = [a / b for a, b in zip(rates["hvdp"], rates["hand"])]
             out[str(np_)] = {"samples_per_sec_per_rank": {k: statistics.median(v) for k, v in rates.items()},
                              "reps_per_rank": rates, "hvdp_vs_hand": statistics.median(ratios),
-                             "hvdp_vs_hand_per_rep": ratios}
+                             "hvdp_vs_hand_per_rep": ratios,
+                             # epochs read again because a loader's forked workers deadlocked (issue 36)
+                             "hangs": result["hangs"]}
             if "startup_s" in result:  # PyTorch: each epoch's start-up, and the first one (workers started)
                 out[str(np_)].update({"startup_s": {k: statistics.median(v) for k, v in result["startup_s"].items()},
                                       "startup_s_per_rep": result["startup_s"],
@@ -395,6 +397,8 @@ def _print(report: dict) -> None:
                   f"{m['hvdp_vs_hand']:.3f}  (reps: {reps})")
             for impl in (k for k in rates if k not in ("hvdp", "hand")):
                 print(f"    {impl} {rates[impl]:.0f}")
+            for impl, n in m["hangs"].items():
+                print(f"    {impl}: {n} epoch(s) read again, their workers deadlocked in fork (issue 36)")
             if "startup_s" in m:
                 print("    epoch start-up, s to the first batch (median of later epochs; first epoch): " + ", ".join(
                     f"{k} {v:.3f} ({m['first_startup_s'][k]:.2f})" for k, v in m["startup_s"].items()))
