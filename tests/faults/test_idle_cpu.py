@@ -1,0 +1,29 @@
+"""A rank that waits costs next to no CPU (issue 37). Horovod's background thread negotiates with its peers
+every cycle; before hvdp's fixes 11 and 12 (scripts/build_horovod.sh) it did so every millisecond whatever
+the rank was doing, and under MPI each negotiation's wait spun: a rank sleeping, or waiting in a collective
+for a late peer, used 10-16% of a core here (MPI and Gloo alike; 33-69% on an idle host in the issue).
+
+tests/faults/idle_worker.py measures each rank's process CPU time, all threads, while rank 1 sleeps before a
+collective rank 0 waits in ("late") and while both sleep ("idle"). The bound, 5% of a core, is the issue's:
+a count of CPU seconds, not a speed, and what was measured on this machine with the fixes is a fifth of it.
+"""
+
+import pytest
+
+from tests.launch import ROOT, result_line, run, skip_without_mpi
+
+WORKER = ROOT / "tests" / "faults" / "idle_worker.py"
+SECONDS = 8.0
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "gloo"])
+def test_a_rank_waiting_for_a_late_peer_or_sleeping_uses_under_5_percent_of_a_core(launcher):
+    skip_without_mpi(launcher)
+    proc = run(launcher, WORKER, "--seconds", str(SECONDS), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    used = result_line(proc.stdout)
+    for window, what in (("late", "rank 1 slept before a collective rank 0 waited in"),
+                         ("idle", "both ranks slept")):
+        for rank, cpu in enumerate(used[window]):
+            assert cpu < 0.05 * SECONDS, (f"rank {rank} used {cpu:.2f} s of CPU in {SECONDS:.0f} s while {what} "
+                                          f"({launcher}): {used}")
