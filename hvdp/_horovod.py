@@ -25,7 +25,8 @@ from hvdp.core.errors import CheckpointError, ConfigError, SetupError
 from hvdp.core.scaling import LRScalingWarning, adaptive_warning, describe_scaling
 from hvdp.core.tuning import apply_runtime_defaults, check_shm_settings
 from hvdp.core.watchdog import EXIT_CODE as WATCHDOG_EXIT_CODE
-from hvdp.core.watchdog import Collectives, Watchdog, open_socket
+from hvdp.core.heartbeats import open_socket
+from hvdp.core.watchdog import Collectives, Watchdog
 from hvdp.core.watchdog import settings as watchdog_settings
 from hvdp.core.world import World, detect_launcher, elastic
 

@@ -32,6 +32,7 @@ MODULES = (
     "hvdp.core.config",
     "hvdp.core.consistency",
     "hvdp.core.devices",
+    "hvdp.core.heartbeats",
     "hvdp.core.errors",
     "hvdp.core.preemption",
     "hvdp.core.scaling",

@@ -51,7 +51,6 @@ HVDP_WATCHDOG=0).
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import hmac
 import json
@@ -59,7 +58,6 @@ import math
 import os
 import select
 import socket
-import struct
 import sys
 import threading
 import time
@@ -68,6 +66,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from hvdp.core.errors import ConfigError
+from hvdp.core.heartbeats import (JOB_TAG_SIZE, MAX_PACKET, TAG_SIZE, drop_strangers, heartbeat_targets,
+                                   job_tag, plain_address, seal)
 
 EXIT_CODE = 70
 DEFAULT_TIMEOUT = 60.0
@@ -76,11 +76,7 @@ WAITING = "waiting for the gradient all-reduce"
 STARTING = "starting"
 COMPUTING = "computing its forward/backward pass"
 EXITED = "exited"
-TAG_SIZE = 32  # HMAC-SHA256 digest
-JOB_TAG_SIZE = 8  # the job's tag, checked before any cryptography
-MAX_PACKET = 4096
 BATCH = 256  # datagrams read per wake-up before the thread looks at the clock again
-RECEIVE_BUFFER = 4 << 20  # bytes asked for; the kernel caps it at net.core.rmem_max (x2)
 PAUSE_SLACK = 2.0  # seconds by which the loop may overrun its interval before it counts as a pause
 MAX_NAME = 200  # characters of a collective's name a heartbeat carries
 MAX_LACKS = 8   # names of peers' collectives a heartbeat says this rank lacks
@@ -186,68 +182,6 @@ def _seconds(env, name: str, default: float) -> float:
     return value
 
 
-def open_socket(bind: str = "0.0.0.0") -> socket.socket:
-    """A UDP socket bound to address `bind` on a free port, for a Watchdog, with a receive buffer of up to
-    RECEIVE_BUFFER bytes. Its family follows the address: IPv6 for an IPv6 address; "::" means every
-    interface of both families (IPv4 peers then reach it as ::ffff:a.b.c.d).
-
-    Args:
-        bind: the address; default "0.0.0.0" (every IPv4 interface).
-
-    Raises:
-        OSError: `bind` is not an address of this host, or its family is not available.
-    """
-    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_DGRAM)
-    try:
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if bind == "::" else 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
-        sock.bind((bind, 0))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def drop_strangers(sock: socket.socket, tag: bytes) -> bool:
-    """Attach a classic BPF filter to the UDP socket `sock` that drops, in the kernel, every datagram whose
-    payload does not start with the JOB_TAG_SIZE bytes `tag`. Returns whether it could (False where the
-    system has no SO_ATTACH_FILTER: then the watchdog's thread checks the tag itself).
-
-    A socket filter sees the datagram from its UDP header (8 bytes), IPv4 and IPv6 alike.
-    """
-    first, second = struct.unpack("!II", tag)
-    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
-    program = [(ld, 0, 0, 8), (jeq, 0, 3, first), (ld, 0, 0, 12), (jeq, 0, 1, second),
-               (ret, 0, 0, 0xFFFFFFFF), (ret, 0, 0, 0)]  # whole datagram / nothing
-    code = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *i) for i in program))
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_ATTACH_FILTER", 26),
-                        struct.pack("@HP", len(program), ctypes.addressof(code)))  # struct sock_fprog
-    except OSError:
-        return False
-    return True
-
-
-def plain_address(host: str) -> str:
-    """The address `host` as a peer list names it: without an IPv6 scope ("%eth0") or the ::ffff: of an
-    IPv4 peer seen on a dual-stack socket."""
-    host = host.split("%", 1)[0]
-    return host[7:] if host.startswith("::ffff:") and "." in host else host
-
-
-def job_tag(secret: bytes) -> bytes:
-    """The JOB_TAG_SIZE bytes every heartbeat of the job keyed by `secret` starts with: a packet without them
-    is dropped before any cryptography. Derived from the secret, so only the job's ranks know it."""
-    return hmac.new(secret, b"hvdp watchdog job tag", hashlib.sha256).digest()[:JOB_TAG_SIZE]
-
-
-def seal(secret: bytes, body: bytes) -> bytes:
-    """A heartbeat as sent: the job's tag, the HMAC-SHA256 of `body` under `secret`, then `body`."""
-    return job_tag(secret) + hmac.new(secret, body, hashlib.sha256).digest() + body
-
-
 class Watchdog:
     """One rank's heartbeat thread; created stopped, start() starts it.
 
@@ -302,7 +236,7 @@ class Watchdog:
         self.on_warning = on_warning or _warn
         self.on_pause = on_pause or (_warn if rank == 0 else (lambda message: None))
         self.kernel_filter = sys.platform.startswith("linux") and drop_strangers(sock, self._job)
-        self._targets = _targets(peers, rank, sock.family)
+        self._targets = heartbeat_targets(peers, rank, sock.family)
         self._sources = {plain_address(a) for a in (sources if sources is not None else
                                                     [a for addresses in peers for a, _ in addresses])}
         self.pauses: list[tuple[float, float]] = []  # (start, end) of each pause of this process, newest last
@@ -462,7 +396,7 @@ class Watchdog:
                            "for": round(self.elapsed(self.since, now), 3), "op": op,
                            "waited": round(self.elapsed(since, now), 3) if op is not None else 0.0,
                            "lacks": self._lacks(op)}).encode()
-        msg = seal(self._secret, body)
+        msg = seal(self._secret, body, self._job)
         for target in self._targets:
             try:
                 self.sock.sendto(msg, target)
@@ -598,19 +532,6 @@ class Watchdog:
         return me
 
 
-def _targets(peers: list[list[tuple[str, int]]], rank: int, family: int) -> list[tuple[str, int]]:
-    """Where the heartbeats go: every address of every peer that a socket of `family` can reach (an IPv4
-    address as ::ffff:a.b.c.d from an IPv6 socket; an IPv6 one not from an IPv4 socket)."""
-    targets = []
-    for r, addresses in enumerate(peers):
-        for host, port in (addresses if r != rank else []):
-            if ":" not in host:
-                targets.append((host, port) if family == socket.AF_INET else ("::ffff:" + host, port))
-            elif family == socket.AF_INET6:
-                targets.append((host, port))
-    return targets
-
-
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
@@ -636,5 +557,4 @@ def _warn(message: str) -> None:
 
 
 __all__ = ["EXIT_CODE", "DEFAULT_TIMEOUT", "DEFAULT_ELSEWHERE_TIMEOUT", "WAITING", "STARTING", "COMPUTING", "EXITED",
-           "settings", "open_socket", "drop_strangers", "plain_address", "job_tag", "seal", "Collectives",
-           "Watchdog"]
+           "settings", "Collectives", "Watchdog"]

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from hvdp.core.errors import ConfigError
-from hvdp.core.watchdog import WAITING, Watchdog, job_tag, open_socket, settings
+from hvdp.core.heartbeats import job_tag, open_socket
+from hvdp.core.watchdog import WAITING, Watchdog, settings
 
 
 SECRET = b"s" * 32
@@ -131,7 +132,7 @@ def test_bad_timeout_is_a_clear_error(name, bad):
 
 
 def signed(body: bytes, key: bytes = SECRET) -> bytes:
-    """A packet as a rank of the job keyed `key` sends it (hvdp.core.watchdog.seal, written out)."""
+    """A packet as a rank of the job keyed `key` sends it (hvdp.core.heartbeats.seal, written out)."""
     return job_tag(key) + hmac.new(key, body, hashlib.sha256).digest() + body
 
 
@@ -484,7 +485,7 @@ def test_heartbeats_over_ipv6_and_between_families(binds):
 
 
 def test_addresses_as_a_peer_list_names_them():
-    from hvdp.core.watchdog import plain_address
+    from hvdp.core.heartbeats import plain_address
     assert plain_address("::ffff:10.0.0.2") == "10.0.0.2"
     assert plain_address("fe80::1%eth0") == "fe80::1"
     assert plain_address("fd77::2") == "fd77::2" and plain_address("10.0.0.2") == "10.0.0.2"
