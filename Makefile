@@ -36,8 +36,11 @@ train: setup
 bench: setup
 	$(VENV)/bin/hvdp bench --np $(NP)
 
+# The image (scripts/test_image.sh), then docs/launchers.md's MPIJob run on it: docker/sshd.Dockerfile's image
+# in three network-namespace pods (tests/multihost/test_mpijob.py).
 docker-test: setup
 	bash scripts/test_image.sh
+	HVDP_DOCKER_TEST=1 $(PY) -m pytest -q tests/multihost/test_mpijob.py
 
 # The CUDA variant of the image (PyTorch, CUDA 13, NCCL from pip; ~4 GB of wheels, Horovod compiled in the
 # build), built for real and its job run on the CPU: docs/gpus.md.
