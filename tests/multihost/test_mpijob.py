@@ -15,8 +15,9 @@ environment, user and working directory. The job is the manifest's at 2 workers 
 thread each: this machine has 2 cores). Kubernetes itself (scheduling, the pod network, the operator's
 controller) is not here; tests/test_kubernetes.py checks the manifest against the operator's CRD.
 
-Runs under `make docker-test` (HVDP_DOCKER_TEST=1), after scripts/test_image.sh built localhost/hvdp:test; it
-needs root, buildah, ip netns and the apt mirror (openssh-server in the image's build).
+Runs under `make docker-test` (HVDP_DOCKER_TEST=1), after scripts/test_image.sh built localhost/hvdp:test (or
+runs that script first); it needs root, buildah, ip netns and the apt mirror (openssh-server in the image's
+build).
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ class Pod:
 @pytest.fixture(scope="module")
 def image():
     if subprocess.run(["buildah", "inspect", "--type", "image", BASE], capture_output=True).returncode != 0:
-        pytest.fail(f"{BASE} is not built: run `make docker-test` (scripts/test_image.sh builds it first)")
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / "test_image.sh")], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=3600)  # builds BASE, then tests it
+        assert proc.returncode == 0, proc.stdout[-5000:]
     _buildah("bud", "--isolation", "chroot", "--layers", "--build-arg", f"BASE={BASE}", "-t", IMAGE,
              "-f", str(ROOT / "docker" / "sshd.Dockerfile"), str(ROOT / "docker"))
     config = json.loads(_buildah("inspect", "--type", "image", IMAGE))["OCIv1"]["config"]
