@@ -21,7 +21,8 @@ Horovod is missing or was built without PyTorch.
 The adapter, one module per concern: runtime (init, world, device, log), optimizer (prepare, the LR
 hooks), weights (an epoch's uneven last step), data and streams (shard), workers (shard's DataLoader workers:
 forkserver, kept, checked), collectives, evaluation, checkpoint, compiled (compile), sync_batchnorm, elastic,
-preemption (preempted, exit_for_requeue), tracking (what the watchdog knows of each Horovod collective).
+preemption (preempted, exit_for_requeue), tracking (what the watchdog knows of each Horovod collective),
+sharded (prepare's shard_optimizer_state: ZeRO-1/2).
 """
 
 from hvdp.core.errors import HvdpError

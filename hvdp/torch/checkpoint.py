@@ -16,6 +16,7 @@ from hvdp.core.errors import CheckpointError
 from hvdp.core.scaling import lr_multiplier
 from hvdp.torch.optimizer import _rescale_groups, _rescale_scheduler_states
 from hvdp.torch.runtime import _plain, hvd
+from hvdp.torch.sharded import ShardedOptimizer
 
 
 def _fingerprint(model: torch.nn.Module) -> str:
@@ -70,6 +71,8 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
     ckpt.check_keep(keep)
     # every rank's RNG, so a resumed run continues exactly (an error on one rank is raised on all)
     rng = _horovod.gather_or_raise(hvd, _rng_state, name="hvdp.rng", operation="save_checkpoint")
+    # a sharded optimizer's state, gathered on rank 0 in the unsharded layout (a collective)
+    gathered = optimizer.gathered_state_dict(to=0) if isinstance(optimizer, ShardedOptimizer) else None
     if hvd.rank() != 0:
         return _horovod.save_on_root(hvd, directory, "", None, keep)
     schedule = getattr(optimizer, "hvdp_schedule", None)
@@ -79,7 +82,7 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
             "hvdp": ckpt.make_meta(framework="torch", step=global_step, epoch=epoch, world_size=hvd.size(),
                                    model_fingerprint=_fingerprint(model)),
             "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "optimizer": gathered if gathered is not None else optimizer.state_dict(),
             "position": {"epoch": int(epoch), "step": int(step),
                          "optimizer_steps": schedule.step if schedule else 0,
                          "lr_multiplier": schedule.multiplier if schedule else 1.0},
@@ -211,7 +214,8 @@ def _into(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable:
     """broadcast_tree's destinations for a checkpoint or an optimizer sync: the model's own tensors and the
     optimizer's existing state, so that those arrive in place instead of as a second copy."""
     params = model.state_dict() if model is not None else {}
-    state = optimizer.state_dict()["state"]
+    # a sharded optimizer's state arrives whole, in the unsharded layout, and load_state_dict keeps a slice
+    state = {} if isinstance(optimizer, ShardedOptimizer) else optimizer.state_dict()["state"]
 
     def into(path, ref):
         if len(path) == 2 and path[0] == "model":

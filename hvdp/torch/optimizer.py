@@ -60,7 +60,8 @@ class _Schedule:
 
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scaling: str = "linear",
             warmup_steps: int = 0, compression: str = "none", op: str = "average",
-            backward_passes_per_step: int = 1, sync_batchnorm: bool = False) -> torch.optim.Optimizer:
+            backward_passes_per_step: int = 1, sync_batchnorm: bool = False,
+            shard_optimizer_state: bool = False) -> torch.optim.Optimizer:
     """Make `optimizer` data-parallel; return the optimizer to use from now on.
 
     - scales every param group's learning rate by the rule (hvdp.core.scaling.learning_rate; the table in
@@ -81,7 +82,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     AdamW, RMSprop, Adagrad...). It neither copies nor moves the model: move it to device() before.
 
     Gradient clipping: call `optimizer.synchronize()`, clip, then step inside
-    `with optimizer.skip_synchronize(): optimizer.step()` (see docs/pytorch.md).
+    `with optimizer.skip_synchronize(): optimizer.step()` (see docs/pytorch.md). With
+    shard_optimizer_state=True, call `optimizer.clip_grad_norm_(max_norm)` before step() instead.
 
     Args:
         model: the module whose parameters `optimizer` updates; broadcast from rank 0.
@@ -94,13 +96,18 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
         op: the gradient reduction: "average" (default), "sum", or "adasum" (needs the MPI controller).
         backward_passes_per_step: k >= 1 (default 1): backward passes accumulated per optimizer step.
         sync_batchnorm: replace the model's BatchNorm layers in place by SyncBatchNorm (default False).
+        shard_optimizer_state: ZeRO-1/2 (default False): gradients reduce-scattered, `optimizer` stepping only
+            this rank's 1/N of the parameters (its state exists only for those), the updated parameters
+            all-gathered; checkpoints hold the full state. See "Sharded optimizer state" in docs/pytorch.md.
 
     Returns:
-        Horovod's DistributedOptimizer wrapping `optimizer`; call step() and zero_grad() on it.
+        Horovod's DistributedOptimizer wrapping `optimizer` (with shard_optimizer_state, a
+        hvdp.torch.sharded.ShardedOptimizer); call step() and zero_grad() on it.
 
     Raises:
         ConfigError: an unknown `op`, `compression` or `lr_scaling`; `backward_passes_per_step` not an
-            integer >= 1; `warmup_steps` < 0; op="adasum" in a multi-rank job on Gloo.
+            integer >= 1; `warmup_steps` < 0; op="adasum" in a multi-rank job on Gloo; shard_optimizer_state
+            with op="adasum" or under elastic horovodrun.
         DivergenceError: the ranks built models of different parameter names or shapes (on every rank).
     """
     model = _plain(model)
@@ -117,6 +124,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     if op == "adasum" and hvd.size() > 1 and not hvd.mpi_enabled():
         raise ConfigError("op='adasum' needs Horovod's MPI controller, and this job runs on Gloo: launch "
                           "with `horovodrun` without --gloo (or mpirun), or use op='average'", rank=hvd.rank())
+    if shard_optimizer_state and (op == "adasum" or elastic()):
+        raise ConfigError("shard_optimizer_state=True works with op='average' or 'sum', outside elastic horovodrun "
+                          f"(op={op!r}, elastic={elastic()})", rank=hvd.rank())
     schedule = _Schedule(rule=lr_scaling, op=op, passes=backward_passes_per_step, warmup_steps=warmup_steps,
                          size=hvd.size())
     schedule.rate(1.0, scaled_by=1.0)  # an unknown lr_scaling: a ConfigError before anything is changed
@@ -134,6 +144,13 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     _Batch.accumulating(backward_passes_per_step)
     model._hvdp_accumulation_hooks = [p.register_hook(_gradient_hook(backward_passes_per_step, schedule))
                                       for p in model.parameters() if p.requires_grad]
+    if shard_optimizer_state:
+        from hvdp.torch.sharded import ShardedOptimizer  # it builds on this module
+        _check_same_model(model)
+        broadcast(model, optimizer)  # rank 0's weights, state and hyperparameters, before the state is sliced
+        sharded = ShardedOptimizer(optimizer, schedule, op=_OPS[op], compression=_COMPRESSIONS[compression])
+        model._hvdp_accumulation_hooks += sharded.hooks  # removed, as the others, if the model is prepared again
+        return sharded
     dist = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), compression=_COMPRESSIONS[compression],
         op=_OPS[op], backward_passes_per_step=backward_passes_per_step)

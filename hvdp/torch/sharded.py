@@ -1,0 +1,422 @@
+"""Sharded optimizer state (ZeRO-1/2) for prepare(..., shard_optimizer_state=True).
+
+The optimizer's parameters are laid out, param group by param group, in flat dtype-homogeneous buckets of up
+to BUCKET_BYTES; each bucket is split across the ranks as Horovod's reducescatter splits a first dimension
+(`numel // N` elements each, the first `numel % N` ranks one more). At step(), each bucket's gradients are
+reduce-scattered (averaged or summed, as the allreduce path would), so a rank receives only its slice; the
+wrapped optimizer, whose param groups now hold one flat shard parameter per bucket, steps that slice (its state
+exists only for it); the updated slices are all-gathered back into the model's parameters.
+
+The checkpoint format stays the unsharded one: consolidation gathers the state bucket by bucket and splits it
+into per-parameter tensors (torch's state_dict layout), and load_state_dict() takes that layout and keeps this
+rank's slice, so a checkpoint resumes at any world size, sharded or not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from hvdp import _horovod
+from hvdp.core.errors import ConfigError
+from hvdp.core.watchdog import WAITING
+from hvdp.torch.optimizer import _counted
+from hvdp.torch.runtime import COMPUTING, hvd
+
+BUCKET_BYTES = 32 * 2**20  # per bucket: the unit of the reduce-scatter, the all-gather and the checkpoint gather
+# Per-parameter state that is one value, not one per element (Adam's step, ASGD's eta and mu): for a 0-dim
+# parameter the shapes alone cannot tell.
+_SCALAR_KEYS = frozenset({"step", "eta", "mu"})
+
+
+def split(numel: int, size: int) -> list[tuple[int, int]]:
+    """(start, length) of each rank's slice of `numel` elements: Horovod's reducescatter split of a first
+    dimension (numel // size each, the first numel % size ranks one more)."""
+    base, extra = divmod(numel, size)
+    out, start = [], 0
+    for rank in range(size):
+        length = base + (1 if rank < extra else 0)
+        out.append((start, length))
+        start += length
+    return out
+
+
+@dataclass(slots=True)
+class _Piece:
+    param: torch.Tensor
+    index: int      # the parameter's index in the optimizer's state_dict
+    offset: int     # where it starts in its bucket
+    numel: int
+
+
+@dataclass(slots=True)
+class _Bucket:
+    group: int
+    dtype: torch.dtype
+    pieces: list = field(default_factory=list)
+    numel: int = 0
+    slices: list = field(default_factory=list)  # split(numel, size)
+    shard: torch.nn.Parameter | None = None      # this rank's slice, the parameter the wrapped optimizer steps
+
+    def overlaps(self, start: int, end: int):
+        """(piece, lo, hi): the part [lo, hi) of each piece (in its own flat numbering) within [start, end)."""
+        for p in self.pieces:
+            lo, hi = max(start, p.offset), min(end, p.offset + p.numel)
+            if lo < hi:
+                yield p, lo - p.offset, hi - p.offset
+
+
+def _layout(groups: list, bucket_bytes: int, size: int) -> list[_Bucket]:
+    buckets, index = [], 0
+    for g, params in enumerate(groups):
+        open_ = {}  # dtype -> the group's bucket being filled
+        for p in params:
+            i, index = index, index + 1
+            if not p.requires_grad:
+                continue
+            b = open_.get(p.dtype)
+            if b is None or (b.numel and (b.numel + p.numel()) * p.element_size() > bucket_bytes):
+                b = open_[p.dtype] = _Bucket(group=g, dtype=p.dtype)
+                buckets.append(b)
+            b.pieces.append(_Piece(p, i, b.numel, p.numel()))
+            b.numel += p.numel()
+    for b in buckets:
+        b.slices = split(b.numel, size)
+    return buckets
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """What prepare(..., shard_optimizer_state=True) returns: the wrapped optimizer stepping this rank's shard.
+
+    Its param_groups are the wrapped optimizer's (same dicts: the learning rates hvdp scales, with one flat
+    shard parameter per bucket as "params"); its state is the shard's only. Every rank must call step(),
+    synchronize(), clip_grad_norm_() and consolidate_state_dict() (collectives), in the same order.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule, *, op, compression,
+                 bucket_bytes: int | None = None):
+        """Wrap `optimizer` (already broadcast from rank 0): lay its parameters out in buckets and make its
+        param groups step this rank's shard, converting any state it holds.
+
+        Args:
+            optimizer: a torch optimizer; its param groups are changed in place.
+            schedule: prepare()'s LR schedule (optimizer._Schedule).
+            op: Horovod's reduction (hvd.Average or hvd.Sum).
+            compression: Horovod's gradient compression (hvd.Compression.none or .fp16).
+            bucket_bytes: the largest bucket (default BUCKET_BYTES).
+        """
+        self._inner, self.hvdp_schedule = optimizer, schedule
+        self._op, self._compression = op, compression
+        self._rank, self._size = hvd.rank(), hvd.size()
+        self._groups = [list(g["params"]) for g in optimizer.param_groups]
+        self._names = [g.pop("param_names", None) for g in optimizer.param_groups]
+        existing = optimizer.state_dict() if optimizer.state else None
+        self._buckets = _layout(self._groups, bucket_bytes or BUCKET_BYTES, self._size)
+        with torch.no_grad():
+            for b in self._buckets:
+                start, length = b.slices[self._rank]
+                b.shard = torch.nn.Parameter(self._flat(b, lambda p: p.detach(), start, start + length))
+        for g, group in enumerate(optimizer.param_groups):
+            group["params"] = [b.shard for b in self._buckets if b.group == g]
+        optimizer.state.clear()
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        self.param_groups, self.state = optimizer.param_groups, optimizer.state  # the same objects
+        self._synchronized, self._consolidated = False, None
+        # Overlap with the backward pass: a bucket's reduce-scatter starts as soon as each of its parameters has
+        # accumulated its k-th gradient (Horovod's counting), and its full gradients are freed then.
+        self._passes, self._counts, self._pending = schedule.passes, {}, {}
+        self._missing = [len(b.pieces) for b in self._buckets]
+        self._bucket_of = {id(piece.param): i for i, b in enumerate(self._buckets) for piece in b.pieces}
+        self.hooks = [piece.param.register_post_accumulate_grad_hook(self._accumulated)
+                      for b in self._buckets for piece in b.pieces]
+        if existing is not None:
+            self.load_state_dict(existing)
+
+    @staticmethod
+    def _flat(bucket: _Bucket, value, start: int, end: int) -> torch.Tensor:
+        """The elements [start, end) of the bucket's flat layout of value(param) (None: zeros)."""
+        parts = []
+        for piece, lo, hi in bucket.overlaps(start, end):
+            v = value(piece.param)
+            parts.append(torch.zeros(hi - lo, dtype=bucket.dtype, device=piece.param.device) if v is None
+                         else v.reshape(-1)[lo:hi].to(bucket.dtype))
+        if not parts:
+            device = bucket.pieces[0].param.device
+            return torch.zeros(0, dtype=bucket.dtype, device=device)
+        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+    # ------------------------------------------------------------------------------------------- the step
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        # autograd's hook after a gradient was accumulated into param.grad, during the backward pass
+        seen = self._counts[id(param)] = self._counts.get(id(param), 0) + 1
+        if seen > self._passes:
+            raise ConfigError(f"a gradient was computed {seen} times before step(), with backward_passes_per_step="
+                              f"{self._passes}: call step() every {self._passes} backward pass(es)", rank=self._rank)
+        if seen == self._passes:
+            i = self._bucket_of[id(param)]
+            self._missing[i] -= 1
+            if self._missing[i] == 0:
+                self._reduce(i)
+
+    def _reduce(self, i: int) -> None:
+        """Start bucket i's reduce-scatter; free the model's full gradients it was copied from (ZeRO-2)."""
+        b = self._buckets[i]
+        sent, ctx = self._compression.compress(self._flat(b, lambda p: p.grad, 0, b.numel))
+        self._pending[i] = (hvd.reducescatter_async(sent, name=f"hvdp.zero.grad.{i}", op=self._op), ctx)
+        for piece in b.pieces:
+            piece.param.grad = None
+
+    def synchronize(self) -> None:
+        """Finish this step's reduce-scatters: each bucket's shard parameter gets its slice of the average (or
+        sum, op="sum") over the ranks. Buckets whose parameters all got their gradients started during the
+        backward pass; the others (a parameter without a gradient counts as zeros, a last step of fewer than
+        k passes) start here. The model's full gradients are freed (set to None). step() calls it when it has
+        not run yet; call it yourself only to read the shard gradients. Every rank must call it."""
+        for i in range(len(self._buckets)):
+            if i not in self._pending:
+                self._reduce(i)
+        for i, b in enumerate(self._buckets):
+            handle, ctx = self._pending.pop(i)
+            b.shard.grad = self._compression.decompress(hvd.synchronize(handle), ctx).to(b.dtype)
+        self._counts.clear()
+        self._missing = [len(b.pieces) for b in self._buckets]
+        self._synchronized = True
+        _counted(self.hvdp_schedule)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """For code written for the allreduce path: step() reduces the gradients once per step whether or not
+        synchronize() ran, so this context changes nothing."""
+        yield
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm, as torch.nn.utils.clip_grad_norm_ on the full
+        gradients would: the norm is computed across the shards (one all-reduce of a number).
+
+        Reduces the gradients first if synchronize() has not run. Every rank must call it.
+
+        Args:
+            max_norm: the largest norm allowed.
+            norm_type: the p of the p-norm (default 2.0); math.inf for the largest absolute value.
+
+        Returns:
+            The global norm before clipping (a float32 tensor, the same on every rank).
+
+        Raises:
+            ConfigError: `norm_type` is not a number > 0.
+        """
+        if not isinstance(norm_type, (int, float)) or not norm_type > 0:
+            raise ConfigError(f"norm_type must be a number > 0 (or math.inf), got {norm_type!r}", rank=self._rank)
+        if not self._synchronized:
+            self.synchronize()
+        grads = [b.shard.grad for b in self._buckets if b.shard.grad is not None and b.shard.grad.numel()]
+        norms = [torch.linalg.vector_norm(g.double(), norm_type) for g in grads]
+        nothing = torch.zeros((), dtype=torch.float64)  # a rank whose shards are empty
+        if math.isinf(norm_type):
+            local = torch.stack(norms).max() if norms else nothing
+            total = hvd.allreduce(local.cpu(), op=hvd.Max, name="hvdp.zero.norm.max")
+        else:
+            local = torch.stack([n ** norm_type for n in norms]).sum() if norms else nothing
+            total = hvd.allreduce(local.cpu(), op=hvd.Sum, name="hvdp.zero.norm.sum") ** (1.0 / norm_type)
+        total = total.float()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device, g.dtype))
+        return total
+
+    def step(self, closure=None):
+        """Reduce-scatter the gradients (unless synchronize() ran), step the wrapped optimizer on this rank's
+        shard at this step's rate (the warmup applied around it), and all-gather the updated parameters into
+        the model. Every rank must call it.
+
+        Args:
+            closure: not supported (a closure would recompute the loss on the full model per shard).
+
+        Raises:
+            ConfigError: a closure was given.
+        """
+        if closure is not None:
+            raise ConfigError("a sharded optimizer's step() takes no closure", rank=self._rank)
+        s = self.hvdp_schedule
+        _horovod.progress(s.step, WAITING)
+        if not self._synchronized:
+            self.synchronize()
+        with torch.no_grad():  # the model may have been loaded or changed since the last step: its values rule
+            for b in self._buckets:
+                start, length = b.slices[self._rank]
+                b.shard.copy_(self._flat(b, lambda p: p.detach(), start, start + length))
+        kept = [g["lr"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["lr"] = s.rate(g["lr"], step=s.step)
+        try:
+            self._inner.step()
+        finally:
+            for g, lr in zip(self.param_groups, kept):
+                g["lr"] = lr
+        self._gather_parameters()
+        self._synchronized = False
+        s.step += 1
+        _counted(s)
+        _horovod.progress(s.step, COMPUTING)
+
+    def _gather_parameters(self) -> None:
+        handles = [hvd.allgather_async(b.shard.detach(), name=f"hvdp.zero.param.{i}")
+                   for i, b in enumerate(self._buckets)]
+        with torch.no_grad():
+            for b, handle in zip(self._buckets, handles):
+                full = hvd.synchronize(handle)
+                for piece in b.pieces:
+                    piece.param.copy_(full[piece.offset:piece.offset + piece.numel].view_as(piece.param))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients and the shard's (torch's zero_grad, on both).
+
+        Args:
+            set_to_none: set them to None (default) instead of zeroing them.
+
+        Raises:
+            ConfigError: a reduce-scatter started in the backward pass is still in flight (zero_grad() after
+                backward() but before step(): its gradients would be half discarded).
+        """
+        if self._pending:
+            raise ConfigError("zero_grad() was called after backward() and before step() or synchronize(): "
+                              "call step() (or synchronize()) first", rank=self._rank)
+        for params in self._groups:
+            for p in params:
+                if p.grad is not None and set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+        torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
+        self._synchronized = False
+
+    # ---------------------------------------------------------------------------------------- state_dict
+
+    def _state_keys(self) -> list[tuple[str, bool]]:
+        """(key, per_element) of the shard's state, agreed by every rank (an empty shard may have none)."""
+        mine = {}
+        for b in self._buckets:
+            for k, v in self.state.get(b.shard, {}).items():
+                mine[k] = torch.is_tensor(v) and v.dim() == 1 and v.shape == b.shard.shape
+        every = hvd.allgather_object(mine, name="hvdp.zero.keys") if self._size > 1 else [mine]
+        merged = {}
+        for m in every:
+            for k, per_element in m.items():
+                merged[k] = merged.get(k, False) or per_element
+        return sorted(merged.items())
+
+    def gathered_state_dict(self, to: int = 0) -> dict | None:
+        """The full optimizer state in the unsharded layout (torch's state_dict of the original optimizer:
+        one entry per parameter index) on rank `to`, None on the others. Gathered bucket by bucket: a rank
+        holds one bucket's gathered state at a time besides what `to` builds. Every rank must call it.
+
+        Args:
+            to: the rank that receives the state (default 0).
+        """
+        keys = self._state_keys()
+        state: dict = {}
+        for i, b in enumerate(self._buckets):
+            mine = self.state.get(b.shard, {})
+            for j, (key, per_element) in enumerate(keys):
+                if not per_element:
+                    if key in mine and self._rank == to:
+                        for piece in b.pieces:
+                            v = mine[key]
+                            state.setdefault(piece.index, {})[key] = v.clone() if torch.is_tensor(v) else v
+                    continue
+                local = mine.get(key)
+                if local is None:  # a bucket no rank has state for yet
+                    local = torch.zeros(b.shard.shape, dtype=b.dtype, device=b.shard.device)
+                full = hvd.allgather(local.detach(), name=f"hvdp.zero.state.{i}.{j}") if self._size > 1 else local
+                if self._rank == to and key in mine:
+                    for piece in b.pieces:
+                        state.setdefault(piece.index, {})[key] = \
+                            full[piece.offset:piece.offset + piece.numel].view_as(piece.param).clone()
+        if self._rank != to:
+            return None
+        groups, index = [], 0
+        for g, group in enumerate(self.param_groups):
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(index, index + len(self._groups[g])))
+            if self._names[g] is not None:
+                packed["param_names"] = list(self._names[g])
+            index += len(self._groups[g])
+            groups.append(packed)
+        return {"state": {k: state[k] for k in sorted(state)}, "param_groups": groups}
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full state on rank `to` for the next state_dict() there (ZeroRedundancyOptimizer's API).
+        Every rank must call it.
+
+        Args:
+            to: the rank that keeps it (default 0).
+        """
+        self._consolidated = self.gathered_state_dict(to)
+
+    def state_dict(self) -> dict:
+        """The full state (unsharded layout) that consolidate_state_dict() gathered on this rank.
+
+        Raises:
+            ConfigError: consolidate_state_dict() did not gather it on this rank.
+        """
+        if self._consolidated is None:
+            raise ConfigError("a sharded optimizer's state_dict() is the full state gathered on one rank: call "
+                              "optimizer.consolidate_state_dict(to=rank) on every rank first (save_checkpoint "
+                              "does it for you)", rank=self._rank)
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full state in the unsharded layout (a checkpoint's, an unsharded optimizer's state_dict()
+        or gathered_state_dict()), keeping this rank's slice; the hyperparameters of every param group too.
+        Every rank passes the same state; no collective.
+
+        Args:
+            state_dict: {"state": {index: {...}}, "param_groups": [...]} over the original parameters.
+
+        Raises:
+            ConfigError: its param groups do not match the optimizer's (count or parameters per group).
+        """
+        saved = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved] != [len(p) for p in self._groups]:
+            raise ConfigError(f"the optimizer state has param groups of {[len(g['params']) for g in saved]} "
+                              f"parameters, this optimizer {[len(p) for p in self._groups]}", rank=self._rank)
+        by_index = {}
+        for g, group in enumerate(saved):
+            for pos, idx in enumerate(group["params"]):
+                by_index[(g, pos)] = state_dict["state"].get(idx)
+        order = {}  # a parameter's index in this optimizer -> its saved state
+        index = 0
+        for g, params in enumerate(self._groups):
+            for pos in range(len(params)):
+                order[index] = by_index[(g, pos)]
+                index += 1
+        self.state.clear()
+        for b in self._buckets:
+            start, length = b.slices[self._rank]
+            states = [(p, order.get(p.index)) for p in b.pieces]
+            keys = {}
+            for p, st in states:
+                for k, v in (st or {}).items():
+                    per = (torch.is_tensor(v) and v.shape == p.param.shape
+                           and (p.param.dim() > 0 or k not in _SCALAR_KEYS))
+                    keys.setdefault(k, (per, v))
+            shard_state = {}
+            for k, (per, first) in keys.items():
+                if per:
+                    values = {id(p.param): (st or {}).get(k) for p, st in states}
+                    shard_state[k] = self._flat(b, lambda param: values[id(param)], start, start + length).to(
+                        first.dtype).to(b.shard.device)
+                else:
+                    shard_state[k] = first.clone() if torch.is_tensor(first) else first
+            if shard_state:
+                self.state[b.shard] = shard_state
+        for group, values in zip(self.param_groups, saved):
+            group.update({k: v for k, v in values.items() if k not in ("params", "param_names")})

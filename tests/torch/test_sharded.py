@@ -1,0 +1,51 @@
+"""prepare(..., shard_optimizer_state=True) under real launchers: np=2 and np=3, MPI and Gloo, and checkpoints
+carried across world sizes (3 -> 2 -> 1): one launch each runs the checks of worker_sharded.py."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.checks import assert_passed, check_names
+from tests.launch import run_checks
+
+WORKER = Path(__file__).with_name("worker_sharded.py")
+EXACT = [n for n in check_names(WORKER) if n not in ("save_for_another_world", "resume_from_another_world")]
+# (launcher, np, checks, resume from the checkpoints of launch #, save its own): in this order
+LAUNCHES = {
+    "gloo-np3": ("gloo", 3, EXACT + ["save_for_another_world"], None),
+    "mpi-np2": ("mpi", 2, EXACT + ["resume_from_another_world", "save_for_another_world"], "gloo-np3"),
+    "python-np1": ("python", 1, ["resume_from_another_world"], "mpi-np2"),
+    "gloo-np2": ("gloo", 2, EXACT, None),
+    "mpi-np3": ("mpi", 3, EXACT, None),
+}
+_done: dict = {}
+
+
+def _launch(name: str, base: Path) -> tuple[str, dict]:
+    if name not in _done:
+        launcher, np, checks, source = LAUNCHES[name]
+        env = {"HVDP_CHECKS": ",".join(checks), "HVDP_SAVE_TO": str(base / name)}
+        if source is not None:
+            _launch(source, base)
+            env["HVDP_RESUME_FROM"] = str(base / source)
+        tmp = base / f"{name}-tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            _done[name] = (launcher, run_checks(launcher, WORKER, tmp, np=np, extra_env=env))
+        except AssertionError as e:  # no results: every check of this launch fails with why, launched once
+            _done[name] = e
+    if isinstance(_done[name], AssertionError):
+        raise _done[name]
+    return _done[name]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return tmp_path_factory.mktemp("sharded")
+
+
+@pytest.mark.parametrize("name", [(launch, check) for launch, (_, _, checks, _) in LAUNCHES.items()
+                                  for check in checks], ids=lambda p: f"{p[0]}-{p[1]}")
+def test_sharded_check(base, name):
+    launch, check = name
+    assert_passed(_launch(launch, base), check)

@@ -1,0 +1,369 @@
+"""Checks of prepare(..., shard_optimizer_state=True) that need a real job; run by tests/torch/test_sharded.py.
+
+Every run is compared with a one-process reference written here independently of hvdp (a plain torch optimizer
+on the union batch, its own LR formula, its own clipping) and with hvdp's allreduce path. Every assertion holds
+at any world size. HVDP_RESUME_FROM and HVDP_SAVE_TO name the directories of the cross-world checkpoint checks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import hvdp.torch as ht  # noqa: E402
+import hvdp.torch.sharded as sharded  # noqa: E402
+from tests.checks import check as _register, main  # noqa: E402
+
+world = None
+
+
+def check(fn):
+    """tests.checks.check, then the ranks agree: a check that failed on one rank fails on all, so that the
+    next check does not start with ranks left in different collectives."""
+    def agreed(tmp):
+        try:
+            fn(tmp)
+            failed = False
+        except Exception:
+            failed = True
+            raise
+        finally:
+            ranks = [r for r, bad in enumerate(hvd.allgather_object(failed, name=f"agree.{fn.__name__}")) if bad]
+            if ranks and not failed:
+                raise AssertionError(f"{fn.__name__} failed on rank(s) {ranks}")
+    agreed.__name__ = fn.__name__
+    return _register(agreed)
+hvd = ht.hvd
+B = 4            # samples per rank per backward pass
+STEPS = 4
+DEFAULT_BUCKET = sharded.BUCKET_BYTES
+
+
+class Net(nn.Module):
+    """61 parameters (40 + 20 + 1): divisible neither by 2 nor by 3, and a 0-dim one (a bucket smaller than
+    the world, so some ranks hold an empty shard)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(7, 5), nn.Linear(5, 4, bias=False)
+        self.scale = nn.Parameter(torch.tensor(1.25))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))) * self.scale
+
+
+# name: (optimizer class, group settings, clip max_norm, backward passes per step, op, lr rule, warmup steps)
+CONFIGS = {
+    "sgd_momentum": (torch.optim.SGD,
+                     ({"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}, {"lr": 0.02, "momentum": 0.9}),
+                     None, 1, "average", "linear", 0),
+    "sgd_sum_accumulate": (torch.optim.SGD, ({"lr": 0.05, "momentum": 0.9}, {"lr": 0.02, "momentum": 0.5}),
+                           None, 2, "sum", "linear", 2),
+    "adam_clip_accumulate": (torch.optim.Adam, ({"lr": 0.01}, {"lr": 0.03, "weight_decay": 0.1}), 0.05, 2,
+                             "average", "sqrt", 2),
+    "adamw_resume": (torch.optim.AdamW, ({"lr": 0.01, "weight_decay": 0.1}, {"lr": 0.004, "weight_decay": 0.0}),
+                     None, 1, "average", "linear", 0),
+    "adamw_clip": (torch.optim.AdamW, ({"lr": 0.01, "weight_decay": 0.1}, {"lr": 0.004, "weight_decay": 0.0}), 0.05, 1,
+                   "average", "linear", 0),
+}
+
+
+def _groups(model, settings):
+    return [{"params": list(model.a.parameters()), **settings[0]},
+            {"params": [model.b.weight, model.scale], **settings[1]}]
+
+
+def _batch(step: int, size: int, passes: int):
+    """The global batch of optimizer step `step` for `size` ranks: [pass][rank] blocks of B samples."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(passes, size, B, 7, generator=g), torch.randn(passes, size, B, 4, generator=g)
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _multiplier(rule, batches):
+    return {"linear": float(batches), "sqrt": math.sqrt(batches), "none": 1.0}[rule]
+
+
+def _reference(config, steps, sizes, model=None, opt=None):
+    """One process, the union batch, a plain torch optimizer; `sizes[t]` the world of step t (its LR rule)."""
+    cls, settings, clip, passes, _op, rule, warmup = CONFIGS[config]
+    if model is None:
+        torch.manual_seed(0)
+        model = Net()
+        opt = cls(_groups(model, settings))
+    base = [s["lr"] for s in settings]
+    for t in steps:
+        x, y = _batch(t, sizes[t], passes)
+        full = _multiplier(rule, sizes[t] * passes)
+        mult = 1.0 + (full - 1.0) * t / warmup if warmup and t < warmup else full
+        for g, lr in zip(opt.param_groups, base):
+            g["lr"] = lr * mult
+        opt.zero_grad()
+        F.mse_loss(model(x.reshape(-1, 7)), y.reshape(-1, 4)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model, opt
+
+
+def _hvdp(config, steps, shard, model=None, opt=None):
+    """This rank's part of the same run through hvdp.torch.prepare (sharded or the allreduce path)."""
+    cls, settings, clip, passes, op, rule, warmup = CONFIGS[config]
+    if model is None:
+        torch.manual_seed(world.rank)  # rank 0's initial weights must arrive by prepare()'s broadcast
+        model = Net()
+        opt = ht.prepare(model, cls(_groups(model, settings)), op=op, lr_scaling=rule, warmup_steps=warmup,
+                         backward_passes_per_step=passes, shard_optimizer_state=shard)
+    for t in steps:
+        x, y = _batch(t, world.size, passes)
+        opt.zero_grad()
+        for k in range(passes):
+            F.mse_loss(model(x[k, world.rank]), y[k, world.rank]).backward()
+        if clip and shard:
+            opt.clip_grad_norm_(clip)
+        elif clip:
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if clip and not shard:
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+    return model, opt
+
+
+def _state_elements(opt) -> int:
+    """Elements of per-element optimizer state (momentum, exp_avg...: shaped as the parameter) this rank holds."""
+    return sum(v.numel() for p, s in opt.state.items() for k, v in s.items()
+               if torch.is_tensor(v) and v.shape == p.shape and k != "step")
+
+
+def _close(a, b, what, tol):
+    diff = (a - b).abs().max().item()
+    assert diff <= tol, f"{what}: max |diff| {diff:.3g} > {tol:g} (size {world.size})"
+
+
+def _same_as_allreduce(a, b, what, bitwise=True):
+    # Two ranks sum in one order (a + b == b + a): the reduce-scatter gives the allreduce's bits. With more, the
+    # collectives may add in other orders: one rounding apart. Clipping too: torch's norm adds per-parameter
+    # norms in float32, the sharded one the shards' squares in float64.
+    if bitwise and world.size <= 2:
+        assert torch.equal(a, b), f"{what}: not bit-identical, max |diff| {(a - b).abs().max().item():.3g}"
+    else:
+        _close(a, b, what, 1e-6)
+
+
+def _exact(config, bucket_bytes=DEFAULT_BUCKET):
+    sharded.BUCKET_BYTES = bucket_bytes
+    try:
+        ref, _ = _reference(config, range(STEPS), [world.size] * STEPS)
+        plain, plain_opt = _hvdp(config, range(STEPS), shard=False)
+        model, opt = _hvdp(config, range(STEPS), shard=True)
+    finally:
+        sharded.BUCKET_BYTES = DEFAULT_BUCKET
+    assert isinstance(opt, sharded.ShardedOptimizer) and opt.hvdp_schedule.step == STEPS
+    ht.check_consistency(model)
+    _close(_flat(model), _flat(ref), f"{config}: sharded vs one process", 2e-6)
+    _same_as_allreduce(_flat(model), _flat(plain), f"{config}: sharded vs the allreduce path",
+                       bitwise=not CONFIGS[config][2])
+    # ZeRO-1: this rank holds the state of its slice of every bucket only, and the slices cover it all once
+    full, mine = _state_elements(plain_opt), _state_elements(opt)
+    every = hvd.allgather_object(mine, name=f"zero.count.{config}")  # before any assertion that one rank may fail
+    keys = len({k for p, s in plain_opt.state.items() for k, v in s.items()
+                if torch.is_tensor(v) and v.shape == p.shape and k != "step"})
+    assert keys and full == keys * sum(p.numel() for p in model.parameters()), (full, keys)
+    expected = keys * sum(b.slices[world.rank][1] for b in opt._buckets)
+    assert mine == expected, (mine, expected)
+    assert mine <= full / world.size + keys * len(opt._buckets), (mine, full, world.size)
+    assert sum(every) == full, (every, full)
+    return opt
+
+
+@check
+def exact_sgd_momentum_two_groups(tmp):
+    _exact("sgd_momentum")
+
+
+@check
+def exact_sgd_op_sum_accumulate_warmup(tmp):
+    _exact("sgd_sum_accumulate")
+
+
+@check
+def exact_adam_clip_accumulate_small_buckets(tmp):
+    opt = _exact("adam_clip_accumulate", bucket_bytes=48)  # 12 float32 per bucket: about one per parameter
+    assert len(opt._buckets) > 3, [b.numel for b in opt._buckets]
+
+
+@check
+def exact_adamw_clip_two_groups(tmp):
+    _exact("adamw_clip")
+
+
+@check
+def clip_grad_norm_is_the_global_norm(tmp):
+    # the norm over every rank's shard equals torch's over the full averaged gradient, and so does the clipping
+    torch.manual_seed(0)
+    model = Net()
+    opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0), shard_optimizer_state=True)
+    x, y = _batch(0, world.size, 1)
+    F.mse_loss(model(x[0, world.rank]), y[0, world.rank]).backward()
+    norm = opt.clip_grad_norm_(1e-3)
+    inf_norm = opt.clip_grad_norm_(1.0, norm_type=math.inf)  # the largest element of the clipped gradient
+    one = Net()
+    one.load_state_dict(model.state_dict())
+    F.mse_loss(one(x[0].reshape(-1, 7)), y[0].reshape(-1, 4)).backward()
+    expected = torch.nn.utils.clip_grad_norm_(one.parameters(), 1e-3)
+    assert abs(norm.item() - expected.item()) <= 1e-6 * expected.item(), (norm, expected)
+    clipped = torch.cat([p.grad.reshape(-1) for p in one.parameters()])
+    assert abs(inf_norm.item() - clipped.abs().max().item()) <= 1e-9, (inf_norm, clipped.abs().max())
+    mine = torch.cat([b.shard.grad for b in opt._buckets])
+    theirs = torch.cat([torch.cat([clipped[_offset(model, p.param) + lo:_offset(model, p.param) + hi]
+                                   for p, lo, hi in b.overlaps(*_range(b))] or [clipped[:0]]) for b in opt._buckets])
+    _close(mine, theirs, "the clipped shard gradients", 1e-9)
+    assert all(p.grad is None for p in model.parameters()), "the model's full gradients are freed (ZeRO-2)"
+
+
+@check
+def reduce_scatter_overlaps_the_backward_pass(tmp):
+    # Counted, not timed: with k=2 no bucket starts in the first pass; in the second, the buckets of the last
+    # layers have started their reduce-scatter when the first layer's gradient is computed, and not all have.
+    sharded.BUCKET_BYTES = 48  # about one parameter per bucket
+    try:
+        torch.manual_seed(0)
+        model = Net()
+        opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), backward_passes_per_step=2,
+                         shard_optimizer_state=True)
+    finally:
+        sharded.BUCKET_BYTES = DEFAULT_BUCKET
+    real, starts, seen = hvd.reducescatter_async, [], []
+
+    def counting(*args, **kwargs):
+        starts.append(kwargs.get("name"))
+        return real(*args, **kwargs)
+    handle = model.a.weight.register_hook(lambda grad: seen.append(len(starts)))
+    hvd.reducescatter_async = counting
+    try:
+        x, y = _batch(0, world.size, 2)
+        for k in range(2):
+            F.mse_loss(model(x[k, world.rank]), y[k, world.rank]).backward()
+        opt.step()
+    finally:
+        hvd.reducescatter_async = real
+        handle.remove()
+    buckets = len(opt._buckets)
+    assert buckets == 4 and seen[0] == 0 and 0 < seen[1] < buckets, (buckets, seen)
+    assert sorted(starts) == sorted(f"hvdp.zero.grad.{i}" for i in range(buckets)), starts
+
+
+def _offset(model, param):
+    at = 0
+    for p in model.parameters():
+        if p is param:
+            return at
+        at += p.numel()
+    raise AssertionError("not a parameter of the model")
+
+
+def _range(bucket):
+    start, length = bucket.slices[world.rank]
+    return start, start + length
+
+
+@check
+def checkpoint_holds_the_full_unsharded_state(tmp):
+    saved = {}
+    for config in ("adam_clip_accumulate", "sgd_momentum"):
+        for shard in (False, True):
+            model, opt = _hvdp(config, range(3), shard=shard)
+            d = tmp / f"layout-{config}-{shard}"
+            ht.save_checkpoint(d, model, opt, epoch=1, step=0, global_step=3)
+            if world.rank == 0:
+                saved[config, shard] = torch.load(d / "ckpt-00000003.pt", weights_only=True)["optimizer"]
+    if world.rank == 0:  # after every collective: a failure here leaves no rank waiting
+        for config in ("adam_clip_accumulate", "sgd_momentum"):
+            a, b = saved[config, False], saved[config, True]
+            assert a["param_groups"] == b["param_groups"], (a["param_groups"], b["param_groups"])
+            assert sorted(a["state"]) == sorted(b["state"]) == list(range(4)), (sorted(a["state"]), sorted(b["state"]))
+            for i in a["state"]:
+                assert sorted(a["state"][i]) == sorted(b["state"][i]), (i, a["state"][i].keys(), b["state"][i].keys())
+                for k, v in a["state"][i].items():
+                    assert v.shape == b["state"][i][k].shape and v.dtype == b["state"][i][k].dtype, (i, k)
+                    _same_as_allreduce(v, b["state"][i][k], f"{config} state[{i}][{k!r}]",
+                                       bitwise=not CONFIGS[config][2])
+
+
+@check
+def resume_same_world_bit_identical(tmp):
+    config = "adam_clip_accumulate"
+    model, opt = _hvdp(config, range(3), shard=True)
+    ht.save_checkpoint(tmp / "same", model, opt, epoch=1, step=0, global_step=3)
+    _hvdp(config, range(3, 6), shard=True, model=model, opt=opt)
+    torch.manual_seed(1)
+    again = Net()
+    again_opt = ht.prepare(again, torch.optim.Adam(_groups(again, CONFIGS[config][1])), lr_scaling="sqrt",
+                           warmup_steps=2, backward_passes_per_step=2, shard_optimizer_state=True)
+    assert ht.load_checkpoint(tmp / "same", again, again_opt)["global_step"] == 3
+    assert again_opt.hvdp_schedule.step == 3
+    _hvdp(config, range(3, 6), shard=True, model=again, opt=again_opt)
+    assert torch.equal(_flat(again), _flat(model)), (_flat(again) - _flat(model)).abs().max()
+
+
+RESUME = "adamw_resume"  # no clipping: the sharded and the allreduce continuations are bit-identical up to 2 ranks
+
+
+def _fresh(shard):
+    cls, settings, _, passes, op, rule, warmup = CONFIGS[RESUME]
+    torch.manual_seed(5)
+    model = Net()
+    return model, ht.prepare(model, cls(_groups(model, settings)), op=op, lr_scaling=rule, warmup_steps=warmup,
+                             backward_passes_per_step=passes, shard_optimizer_state=shard)
+
+
+@check
+def save_for_another_world(tmp):
+    # the first 3 steps at this world size, sharded and not, for the next launch (HVDP_SAVE_TO) to resume
+    out = Path(os.environ["HVDP_SAVE_TO"])
+    for shard in (False, True):
+        model, opt = _hvdp(RESUME, range(3), shard=shard)
+        ht.save_checkpoint(out / ("sharded" if shard else "plain"), model, opt, epoch=1, step=0, global_step=3,
+                           world=world.size)
+
+
+@check
+def resume_from_another_world(tmp):
+    # a checkpoint of 3 steps at another world size (HVDP_RESUME_FROM), resumed here for 3 more: the sharded
+    # file loads into the allreduce path and the sharded optimizer alike, and they continue alike (bit for bit
+    # at up to 2 ranks); the unsharded file too; and both follow one process whose batch and rate changed
+    src = Path(os.environ["HVDP_RESUME_FROM"])
+    runs = {}
+    for file in ("sharded", "plain"):
+        for shard in (False, True):
+            model, opt = _fresh(shard)
+            resumed = ht.load_checkpoint(src / file, model, opt)
+            assert resumed["global_step"] == 3 and resumed["world"] != world.size, resumed
+            saved_world = resumed["world"]
+            _hvdp(RESUME, range(3, 6), shard=shard, model=model, opt=opt)
+            runs[file, shard] = _flat(model)
+    for file in ("sharded", "plain"):
+        _same_as_allreduce(runs[file, True], runs[file, False], f"{file} checkpoint resumed sharded vs allreduce",
+                           bitwise=not CONFIGS[RESUME][2])
+    _close(runs["sharded", True], runs["plain", True], "the sharded and the unsharded run, resumed", 1e-6)
+    ref, _ = _reference(RESUME, range(6), [saved_world] * 3 + [world.size] * 3)
+    _close(runs["sharded", True], _flat(ref), "resumed vs one process", 2e-6)
+
+
+if __name__ == "__main__":
+    world = ht.init()
+    main(lambda obj: hvd.allgather_object(obj, name="checks.results"), world.rank)
