@@ -16,6 +16,13 @@ on rank 0. Every rank runs the same script and the same model.fit. DistributedOp
 average, barrier, broadcast, check_finite, evaluate, check_consistency, save_checkpoint, load_checkpoint and
 log are hvdp.tensorflow's (documented there too): a Keras script needs no other module. Errors are
 hvdp.core.errors classes.
+
+Backends: TensorFlow, and PyTorch (KERAS_BACKEND=torch): there init() initialises horovod.torch (through
+hvdp.torch.init) and never horovod.tensorflow, the optimizer averages the torch gradients fit hands it with
+horovod.torch, and the broadcast, metrics, evaluate, log, checkpoints and SyncBatchNormalization go through it
+too (hvdp/_keras_backend.py chooses). Not there yet: backward_passes_per_step > 1 (a ConfigError), and average,
+barrier, broadcast, check_finite and check_consistency called by hand. Any other backend is a ConfigError at
+init(). docs/tensorflow-keras.md#keras-on-the-pytorch-backend says what was tested.
 """
 
 from __future__ import annotations
@@ -27,8 +34,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdp import _preemption
-from hvdp import tensorflow as _tf
+from hvdp import _keras_backend, _preemption
 from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import ConfigError, HvdpError
 from hvdp.core.world import World
@@ -53,8 +59,9 @@ from hvdp.tensorflow.tracking import watched
 
 def init(*, timeline: str | None = None, device: str | None = None, share_gpus: bool | None = None,
          preemption: bool | None = None) -> World:
-    """Initialise Horovod and return this process's World (see hvdp.tensorflow.init, which also gives each
-    rank its own GPU when TensorFlow sees GPUs).
+    """Initialise Horovod and return this process's World: hvdp.tensorflow.init on Keras's TensorFlow backend
+    (which also gives each rank its own GPU when TensorFlow sees GPUs), hvdp.torch.init on its torch backend
+    (horovod.torch; the rank's GPU becomes torch's current device, where Keras puts its tensors).
 
     Every rank must call it, before TensorFlow uses a GPU. Safe to call twice.
 
@@ -68,15 +75,16 @@ def init(*, timeline: str | None = None, device: str | None = None, share_gpus: 
 
     Raises:
         SetupError: launched by an MPI launcher, but Horovod was built without MPI.
-        ConfigError: a malformed HVDP_* environment variable, a device that cannot be had, or ranks sharing
-            a GPU unasked (see hvdp.tensorflow.init); preemption outside the main thread or in elastic mode.
+        ConfigError: Keras runs on a backend other than TensorFlow or PyTorch (JAX, NumPy); a malformed HVDP_*
+            environment variable, a device that cannot be had, or ranks sharing a GPU unasked (see
+            hvdp.tensorflow.init); preemption outside the main thread or in elastic mode.
     """
-    return _tf.init(timeline=timeline, device=device, share_gpus=share_gpus, preemption=preemption)
+    return _keras_backend.init(timeline=timeline, device=device, share_gpus=share_gpus, preemption=preemption)
 
 
 def world() -> World:
     """This process's World (rank, size, local_rank, local_size); call init() first (Horovod raises before)."""
-    return _tf.world()
+    return World.from_horovod(_keras_backend.horovod())
 
 
 def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False, map=None,
@@ -113,12 +121,24 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
     """
     dataset = _shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, map=map,
                      num_parallel_calls=num_parallel_calls, weights=sample_weights, passes=1,
-                     finish=_as_sample_weights if sample_weights else None)
+                     finish=_as_sample_weights if sample_weights else None,
+                     horovod=_initialised_hvd() if _keras_backend.on_torch() else None)
     position = dataset.hvdp_position
     # Keras needs the number of batches to show progress and to end each epoch.
     dataset = watched(dataset.apply(tf.data.experimental.assert_cardinality(position.plan.steps_per_epoch)))
     dataset.hvdp_position = position
     return dataset
+
+
+def _hvd():
+    """The horovod module of Keras's backend: horovod.torch on torch, horovod.tensorflow otherwise."""
+    return _keras_backend.horovod()
+
+
+def _initialised_hvd():
+    """_hvd(), initialised first (init()) if it is not yet."""
+    _keras_backend.ensure_init()
+    return _hvd()
 
 
 def _as_sample_weights(*element):
@@ -136,7 +156,7 @@ class _RankZeroProgbar(keras.callbacks.ProgbarLogger):
 
     def set_params(self, params):
         super().set_params(params)
-        if hvd.rank() != 0:
+        if _hvd().rank() != 0:
             self.verbose = 0
 
 
@@ -155,7 +175,7 @@ def _loss_scaling_inside(model):
     dist = outer.inner_optimizer
     if outer.built:
         raise ConfigError("the model's LossScaleOptimizer(DistributedOptimizer) was already used for a step; "
-                          "give hvdp.keras.callbacks() to the first fit after compile", rank=hvd.rank())
+                          "give hvdp.keras.callbacks() to the first fit after compile", rank=_hvd().rank())
     if not isinstance(dist.inner_optimizer, keras.optimizers.LossScaleOptimizer):
         dist.inner_optimizer = keras.optimizers.LossScaleOptimizer(
             dist.inner_optimizer, initial_scale=outer.initial_scale,
@@ -202,6 +222,7 @@ class DistributedCallback(keras.callbacks.Callback):
             CheckpointError: the newest checkpoint cannot be resumed (see load_checkpoint).
         """
         model = self.model
+        hvd = _hvd()
         optimizer = model.optimizer = _loss_scaling_inside(model)
         if hvd.size() > 1 and not isinstance(optimizer, DistributedOptimizer):
             raise ConfigError(
@@ -227,7 +248,7 @@ class DistributedCallback(keras.callbacks.Callback):
             if self.resumed["step"]:
                 self._finish_epoch(self.resumed["epoch"], self.resumed["step"])
         else:
-            _tf.broadcast(model, optimizer)  # builds the optimizer's state first: no fake step
+            _keras_backend.broadcast(model, optimizer)  # builds the optimizer's state first: no fake step
 
     def on_train_end(self, logs=None):
         """Forget the resumed epoch, so that a later fit() starts from its own initial_epoch; `logs` unused."""
@@ -264,10 +285,10 @@ class DistributedCallback(keras.callbacks.Callback):
         self._stop_if_preempted(batch + 1)
 
     def _stop_if_preempted(self, step: int) -> None:
-        if self.checkpoint_dir and _preemption.enabled() and _tf.preempted():
+        if self.checkpoint_dir and _preemption.enabled() and _keras_backend.preempted():
             save_checkpoint(self.checkpoint_dir, self.model, self.model.optimizer, epoch=self._epoch, step=step,
                             global_step=int(self.model.optimizer.iterations), keep=self.keep)
-            _tf.exit_for_requeue()
+            _keras_backend.exit_for_requeue()
 
     def on_epoch_end(self, epoch, logs=None):
         """Take the epoch's short last step (flush), average the numeric `logs` over ranks in place and
@@ -277,11 +298,9 @@ class DistributedCallback(keras.callbacks.Callback):
         """
         if self.data is not None and isinstance(self.model.optimizer, DistributedOptimizer):
             self.model.optimizer.flush()  # with backward_passes_per_step=k: the last j < k passes are a step
-        if self.average_metrics and logs and hvd.size() > 1:
+        if self.average_metrics and logs and _hvd().size() > 1:
             keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.floating, np.integer)))
-            values = hvd.allreduce(tf.constant([float(logs[k]) for k in keys], tf.float64), op=hvd.Average,
-                                   name="hvdp.metrics")
-            logs.update(zip(keys, values.numpy().tolist()))
+            logs.update(zip(keys, _keras_backend.allreduce_mean([float(logs[k]) for k in keys], "hvdp.metrics")))
         if self.checkpoint_dir:
             save_checkpoint(self.checkpoint_dir, self.model, self.model.optimizer, epoch=epoch + 1, step=0,
                             global_step=int(self.model.optimizer.iterations), keep=self.keep)
@@ -362,10 +381,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     One all-reduce of (sum, sum of squares, count) per call, differentiable; in inference it is plain
     BatchNormalization. (Horovod's SyncBatchNormalization does not work on Keras 3: it passes `fused`.)
     Takes keras.layers.BatchNormalization's arguments. In training with 2+ ranks every rank must call the
-    layer the same number of times, in the same order (one all-reduce each). Serialisable.
+    layer the same number of times, in the same order (one all-reduce each). Serialisable. On Keras's torch
+    backend the sums go through horovod.torch's all-reduce (differentiable the same way).
     """
 
     def _moments(self, inputs, mask):
+        if _keras_backend.on_torch():
+            return self._torch_moments(inputs, mask, _hvd())
         if not hvd.is_initialized() or hvd.size() == 1:
             return super()._moments(inputs, mask)
         x = tf.cast(inputs, tf.float32)
@@ -383,6 +405,24 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         mean = s1 / n
         variance = tf.maximum(s2 / n - mean * mean, 0.0)
         return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+
+    def _torch_moments(self, inputs, mask, horovod):
+        """_moments on Keras's torch backend: the same sums, all-reduced by horovod.torch, whose all-reduce is
+        differentiable (its gradient is the sum of the gradients, as _sync_sum's). Runs eagerly, so each
+        all-reduce completes before the next starts and one name serves them all."""
+        if not horovod.is_initialized() or horovod.size() == 1:
+            return super()._moments(inputs, mask)
+        x = inputs.float()
+        weights = x.new_ones(()).expand_as(x) if mask is None else mask.unsqueeze(-1).to(x.dtype).expand_as(x)
+        axes = list(self._reduction_axes)
+        s1 = (weights * x).sum(axes)
+        stats = horovod.allreduce(
+            keras.ops.concatenate([s1.reshape(-1), (weights * x * x).sum(axes).reshape(-1),
+                                   weights.sum(axes).reshape(-1)]), op=horovod.Sum, name="hvdp_sync_batch_norm")
+        s1, s2, n = (part.reshape(s1.shape) for part in stats.chunk(3))
+        mean = s1 / n
+        variance = (s2 / n - mean * mean).clamp_min(0.0)
+        return mean.to(inputs.dtype), variance.to(inputs.dtype)
 
 
 __all__ = ["init", "world", "DistributedOptimizer", "ScaledSchedule", "shard", "index_records", "callbacks",

@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 import keras
 
-from hvdp import _horovod
+from hvdp import _horovod, _keras_backend
 from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import CheckpointError, ConfigError
 from hvdp.core.scaling import lr_multiplier
@@ -28,6 +28,25 @@ def _fingerprint(model_or_variables) -> str:
                             for i, v in enumerate(_weights(model_or_variables)))
 
 
+def _horovod_module():
+    """horovod.tensorflow, or horovod.torch when hvdp.keras runs on Keras's torch backend (initialised there if
+    needed): the file and its variables are Keras's, the same on both backends."""
+    if _keras_backend.on_torch():
+        _keras_backend.ensure_init()
+        return _keras_backend.horovod()
+    return hvd
+
+
+def _local_state(model, optimizer) -> list[np.ndarray]:
+    """This rank's own state as arrays: its local variables' (seed generators, pending gradient sums) and, on
+    Keras's torch backend, torch's CPU random state, which Dropout layers without a seed draw from there."""
+    arrays = _numpy(_local_variables(model, optimizer))
+    if _keras_backend.on_torch():
+        import torch
+        arrays.append(torch.get_rng_state().numpy())
+    return arrays
+
+
 def _numpy(variables) -> list[np.ndarray]:
     return [np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]
 
@@ -38,7 +57,8 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
 
     The file is a NumPy .npz (read back with allow_pickle=False: no code runs on load) holding the model's
     variables, the optimizer's (its step counter included), every rank's own state (seed generators, which
-    drive dropout, and pending accumulated gradients) and a JSON header: hvdp's metadata, the data position
+    drive dropout, and pending accumulated gradients; on Keras's torch backend also torch's CPU random state,
+    which unseeded Dropout draws from there) and a JSON header: hvdp's metadata, the data position
     `epoch`/`step` (batches done in that epoch) and `extra` (JSON values). `global_step` names the file.
     Ends with a barrier: the other ranks wait for the write.
 
@@ -67,8 +87,9 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     except TypeError as e:
         raise ConfigError(f"save_checkpoint extra values must be JSON (numbers, strings, lists, dicts): {e}")
     _build_optimizer(optimizer, model)
+    hvd = _horovod_module()
     # every rank's own state (an error on one rank is raised on all)
-    local = _horovod.gather_or_raise(hvd, lambda: _numpy(_local_variables(model, optimizer)),
+    local = _horovod.gather_or_raise(hvd, lambda: _local_state(model, optimizer),
                                      name="hvdp.local_state", operation="save_checkpoint")
     if hvd.rank() != 0:
         return _horovod.save_on_root(hvd, directory, "", None, keep)
@@ -92,7 +113,7 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     return _horovod.save_on_root(hvd, directory, ckpt.checkpoint_name(global_step, "npz"), write, keep)
 
 
-def _read(path: Path, model, optimizer, resharding_data: bool) -> dict:
+def _read(path: Path, model, optimizer, resharding_data: bool, size: int) -> dict:
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
@@ -105,9 +126,9 @@ def _read(path: Path, model, optimizer, resharding_data: bool) -> dict:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} is not an hvdp checkpoint (no '{ckpt.FORMAT}' header)")
     meta = ckpt.check_meta(header.get("hvdp"), path, framework=FRAMEWORK, model_fingerprint=_fingerprint(model))
-    if resharding_data and meta["world_size"] != hvd.size() and header["position"]["step"]:
+    if resharding_data and meta["world_size"] != size and header["position"]["step"]:
         raise CheckpointError(
-            f"the checkpoint was taken mid-epoch with {meta['world_size']} ranks and this job has {hvd.size()}: "
+            f"the checkpoint was taken mid-epoch with {meta['world_size']} ranks and this job has {size}: "
             f"its data position cannot be resharded exactly; resume with {meta['world_size']} ranks, or from an "
             f"end-of-epoch checkpoint")
     opt_vars = list(optimizer.variables) if optimizer is not None else []
@@ -152,12 +173,14 @@ def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimi
             model or optimizer; or, with `dataset`, taken mid-epoch with another number of ranks. On every rank.
         ConfigError: `dataset` was not made by shard().
     """
-    _ensure_init()
+    if not _keras_backend.on_torch():
+        _ensure_init()
+    hvd = _horovod_module()
     _build_optimizer(optimizer, model)
     if dataset is not None:
         _position(dataset)  # before any collective: a dataset not made by shard() is refused on every rank
     payload = _horovod.read_checkpoint_on_root(
-        hvd, directory, lambda path: _read(path, model, optimizer, dataset is not None), _ARRAYS)
+        hvd, directory, lambda path: _read(path, model, optimizer, dataset is not None, hvd.size()), _ARRAYS)
     if payload is None:
         return None
     header, position = payload["header"], payload["header"]["position"]
@@ -177,6 +200,10 @@ def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimi
             _rescale_learning_rate(optimizer.inner_optimizer, saved, **optimizer._scaling())
     mine = payload["local"].get(hvd.rank())
     local_vars = _local_variables(model, optimizer)
+    if _keras_backend.on_torch() and same_world and mine is not None and len(mine) == len(local_vars) + 1:
+        import torch
+        torch.set_rng_state(torch.from_numpy(mine[-1].copy()))  # saved last by _local_state
+        mine = mine[:-1]
     if same_world and mine is not None and [a.shape for a in mine] == [tuple(v.shape) for v in local_vars]:
         for v, a in zip(local_vars, mine):  # this rank's own dropout RNG and pending gradient sums
             v.assign(a)
@@ -205,6 +232,10 @@ class _NumpyArrays(_horovod.ArrayOps):
         return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
     def broadcast(self, hvd_, buffer, name: str) -> None:
+        if _keras_backend.on_torch():  # horovod.torch: in place, into the array's own memory
+            import torch
+            hvd_.broadcast_(torch.from_numpy(buffer), root_rank=0, name=name)
+            return
         buffer[:] = hvd_.broadcast(tf.constant(buffer), root_rank=0, name=name).numpy()
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 import keras
 
+from hvdp import _keras_backend
 from hvdp.core import consistency
 from hvdp.core.errors import DivergenceError, NonFiniteLossError
 from hvdp.tensorflow.optimizer import DistributedOptimizer
@@ -153,7 +154,8 @@ def log(*args: Any, **kwargs: Any) -> None:
         args: what to print, as for print().
         kwargs: print()'s keywords (sep, end, file), except flush, which is always True.
     """
-    if not hvd.is_initialized() or hvd.rank() == 0:
+    horovod = _keras_backend.horovod() if _keras_backend.on_torch() else hvd  # hvdp.keras.log on torch too
+    if not horovod.is_initialized() or horovod.rank() == 0:
         print(*args, **kwargs, flush=True)
 
 

@@ -13,6 +13,7 @@ from hvdp.core.consistency import fingerprint_of, sample_positions
 from hvdp.core.errors import ConfigError
 from hvdp.core.records import RecordIndex, RecordReader
 from hvdp.core.sharding import ShardPlan
+from hvdp.core.world import World
 from hvdp.tensorflow.runtime import _ensure_init, hvd
 from hvdp.tensorflow.tracking import watched
 
@@ -163,9 +164,14 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
 
 
 def _shard(data, *, batch_size, shuffle, seed, drop_last, map, num_parallel_calls, weights, passes,
-           finish=None) -> tf.data.Dataset:
-    """shard(); `finish`, a function of a batch's elements, runs on each batch before the prefetch."""
-    w = _ensure_init()
+           finish=None, horovod=None) -> tf.data.Dataset:
+    """shard(); `finish`, a function of a batch's elements, runs on each batch before the prefetch; `horovod`,
+    the initialised horovod module whose ranks share the data (default None: horovod.tensorflow, initialised
+    here if needed; hvdp.keras passes horovod.torch on Keras's torch backend)."""
+    if horovod is None:
+        w, horovod = _ensure_init(), hvd
+    else:
+        w = World.from_horovod(horovod)
     if map is not None and not callable(map):
         raise ConfigError(f"shard(map=...) takes a function of one sample, got {type(map).__name__}")
     if not isinstance(passes, int) or passes < 1:
@@ -177,7 +183,7 @@ def _shard(data, *, batch_size, shuffle, seed, drop_last, map, num_parallel_call
         arrays = _as_arrays(data)
         n, samples, fingerprint = len(arrays[0]), _gatherer(arrays), _arrays_fingerprint(arrays)
         del arrays
-    agree(hvd, lambda: {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
+    agree(horovod, lambda: {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
                         "samples": n, "fingerprint": fingerprint}, call="shard()")
     plan = ShardPlan(n=n, batch_size=batch_size, rank=w.rank, size=w.size, seed=seed, shuffle=shuffle,
                      drop_last=drop_last)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from hvdp import _keras_backend
 from hvdp._horovod import gather_or_raise
 from hvdp.core.sharding import eval_bounds, eval_means
 from hvdp.tensorflow.runtime import _ensure_init, hvd
@@ -43,7 +44,10 @@ def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True, lo
         ConfigError: `data` is empty (on every rank).
         RankError: the model raised on some rank (on every rank, naming it and the exception).
     """
-    w = _ensure_init()
+    if _keras_backend.on_torch():  # hvdp.keras.evaluate on Keras's torch backend: horovod.torch's ranks
+        w, horovod = _keras_backend.ensure_init(), _keras_backend.horovod()
+    else:
+        w, horovod = _ensure_init(), hvd
     x, y = (np.asarray(a) for a in data)
     start, stop = eval_bounds(len(x), w.rank, w.size)
     if loss is None:
@@ -63,6 +67,6 @@ def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True, lo
         return sums.tolist()
 
     # Each rank's sums gathered (an error on one rank raised on all), added in rank order: the same everywhere.
-    gathered = gather_or_raise(hvd, score, name="hvdp.evaluate", operation="hvdp.tensorflow.evaluate")
+    gathered = gather_or_raise(horovod, score, name="hvdp.evaluate", operation="hvdp.tensorflow.evaluate")
     count, loss_sum, *sums = (sum(column) for column in zip(*gathered))
     return eval_means({"loss": loss_sum, **dict(zip(metrics, sums))}, count, rank=w.rank)

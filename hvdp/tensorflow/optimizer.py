@@ -6,11 +6,10 @@ from __future__ import annotations
 import tensorflow as tf
 import keras
 
-from hvdp import _horovod
+from hvdp import _horovod, _keras_backend
 from hvdp.core.errors import ConfigError
 from hvdp.core.scaling import learning_rate, lr_multiplier
-from hvdp.tensorflow.gradients import _check_compression, allreduce_gradients
-from hvdp.tensorflow.runtime import _ensure_init
+from hvdp.tensorflow.gradients import _check_compression
 
 
 @keras.saving.register_keras_serializable(package="hvdp")
@@ -49,6 +48,12 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return self._factors[-1]
 
     def __call__(self, step):
+        if _keras_backend.on_torch():  # Keras's torch backend passes its own tensors: the same lookup in keras.ops
+            ops = keras.ops
+            step = ops.cast(step, "int64")
+            base = self.base(step) if callable(self.base) else self.base
+            factor = ops.take(ops.convert_to_tensor(self._factors, "float32"), ops.minimum(step, self.warmup_steps))
+            return ops.cast(base, "float32") * factor
         step = tf.cast(step, tf.int64)
         base = self.base(step) if callable(self.base) else self.base
         factor = tf.gather(tf.constant(self._factors, tf.float32), tf.minimum(step, self.warmup_steps))
@@ -104,7 +109,7 @@ def scale_learning_rate(optimizer: keras.optimizers.Optimizer, *, lr_scaling: st
         ConfigError: the optimizer's learning_rate is a plain callable (not a LearningRateSchedule); an
             unknown `lr_scaling`, `size` or `backward_passes_per_step` < 1, `warmup_steps` < 0.
     """
-    kw = dict(lr_scaling=lr_scaling, size=_ensure_init().size if size is None else size,
+    kw = dict(lr_scaling=lr_scaling, size=_keras_backend.ensure_init().size if size is None else size,
               backward_passes_per_step=backward_passes_per_step, warmup_steps=warmup_steps)
     optimizer = _rate_owner(optimizer)
     base = optimizer._learning_rate
@@ -190,7 +195,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             raise ConfigError("the wrapped optimizer has gradient_accumulation_steps set; use "
                               "backward_passes_per_step of DistributedOptimizer instead (it all-reduces once "
                               "per optimizer step)")
-        w = _ensure_init()
+        if backward_passes_per_step > 1 and _keras_backend.on_torch():
+            raise ConfigError(f"backward_passes_per_step={backward_passes_per_step} is not supported on Keras's torch "
+                              f"backend yet (its accumulation runs as TensorFlow ops); use 1 there, or "
+                              f"KERAS_BACKEND=tensorflow")
+        w = _keras_backend.ensure_init()
         super().__init__(learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
         self.inner_optimizer = optimizer
         self.lr_scaling = lr_scaling
@@ -207,7 +216,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _scaling(self) -> dict:
         """hvdp.core.scaling's arguments for this world (see scale_learning_rate)."""
-        return dict(lr_scaling=self.lr_scaling, size=_ensure_init().size,
+        return dict(lr_scaling=self.lr_scaling, size=_keras_backend.ensure_init().size,
                     backward_passes_per_step=self.backward_passes_per_step, warmup_steps=self.warmup_steps)
 
     def build(self, var_list):
@@ -249,7 +258,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
         k = self.backward_passes_per_step
         if k == 1:
-            self.inner_optimizer.apply(allreduce_gradients(grads, compression=self.compression), variables)
+            self.inner_optimizer.apply(_keras_backend.allreduce_gradients(grads, compression=self.compression),
+                                       variables)
             return
         index = [self._get_variable_index(v) for v in variables]
         accs = [self._accumulators[i] for i in index]
@@ -258,8 +268,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         passes = self._passes.assign_add(1)
 
         def step():
-            averaged = allreduce_gradients([None if s is None else s / k for s in summed],
-                                           compression=self.compression)
+            averaged = _keras_backend.allreduce_gradients([None if s is None else s / k for s in summed],
+                                                          compression=self.compression)
             self.inner_optimizer.apply(averaged, variables)
             for a in accs:
                 a.assign(tf.zeros_like(a))
@@ -290,7 +300,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             return False
         skip = getattr(self, "_no_gradient", set())
         summed = [None if i in skip else a / k for i, a in enumerate(self._accumulators)]
-        self.inner_optimizer.apply(allreduce_gradients(summed, compression=self.compression),
+        self.inner_optimizer.apply(_keras_backend.allreduce_gradients(summed, compression=self.compression),
                                    self._trainable_variables)
         for a in self._accumulators:
             a.assign(tf.zeros_like(a))

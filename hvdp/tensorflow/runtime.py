@@ -95,15 +95,17 @@ def _place(w: World, req) -> None:
 
 
 def _check_keras_backend(rank: int) -> None:
-    # Under another Keras backend, model.fit's gradients are that framework's tensors: DistributedOptimizer's
-    # TensorFlow all-reduce of them fails inside fit at np>1 (and does nothing visible at np=1). Every rank
-    # reads the same KERAS_BACKEND, so every rank raises here, before any collective.
+    # Under another Keras backend, a custom loop's gradients are that framework's tensors: a TensorFlow
+    # all-reduce of them fails at np>1 (and does nothing visible at np=1). Every rank reads the same
+    # KERAS_BACKEND, so every rank raises here, before any collective. (hvdp.keras picks horovod.torch on the
+    # torch backend and never calls this init there: hvdp/_keras_backend.py.)
     backend = keras.backend.backend()
     if backend != "tensorflow":
         raise ConfigError(
-            f"Keras runs on the {backend!r} backend (keras.backend.backend()), and hvdp.keras / "
-            f"hvdp.tensorflow average TensorFlow gradients only: set KERAS_BACKEND=tensorflow before Keras is "
-            f"imported, or train the PyTorch way with hvdp.torch", rank=rank)
+            f"Keras runs on the {backend!r} backend (keras.backend.backend()), and hvdp.tensorflow averages "
+            f"TensorFlow gradients only: set KERAS_BACKEND=tensorflow before Keras is imported, use hvdp.keras's "
+            f"model.fit (which also runs on the torch backend), or train the PyTorch way with hvdp.torch",
+            rank=rank)
 
 
 def _ensure_init() -> World:

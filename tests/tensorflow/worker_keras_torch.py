@@ -1,0 +1,160 @@
+"""Checks of hvdp.keras on Keras's PyTorch backend (KERAS_BACKEND=torch) that need a real job; run under
+horovodrun by tests/tensorflow/test_keras_torch.py. Every assertion holds at any world size."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import hvdp.keras as hk  # noqa: E402
+from hvdp.core.errors import ConfigError  # noqa: E402
+from hvdp.core.sharding import ShardPlan  # noqa: E402
+from tests.checks import check, main  # noqa: E402
+
+assert keras.backend.backend() == "torch", keras.backend.backend()
+world = hk.init()
+import horovod.torch as hvd  # noqa: E402  (hvdp.keras's own Horovod on this backend)
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+BATCH, STEPS, LEFTOVER, LR, EPOCHS, SEED = 4, 3, 3, 0.05, 2, 7  # LEFTOVER < size*BATCH: a short last step
+
+
+def _build():
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+
+
+def _data():
+    n = STEPS * world.size * BATCH + LEFTOVER
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((n, 6)).astype(np.float32), rng.integers(0, 3, n).astype(np.int64)
+
+
+class _Logs(keras.callbacks.Callback):
+    def __init__(self, into):
+        super().__init__()
+        self.into = into
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.into.append(dict(logs))
+
+
+@check
+def init_uses_horovod_torch_only(tmp):
+    import horovod.tensorflow as hvd_tf
+    assert hvd.is_initialized() and not hvd_tf.is_initialized()
+    assert (hk.world().rank, hk.world().size) == (hvd.rank(), hvd.size())
+
+
+def _fit_against_one_process(build_ranks, build_reference, label):
+    """Rank-dependent initial weights (the broadcast must fix them), SGD with momentum, two epochs whose last
+    step is short (LEFTOVER samples spread over the ranks, weighted by shard's sample weights): fit on every
+    rank, then rank 0 trains `build_reference()` from its own initial weights on one process with batch
+    size*BATCH in the same order at LR*size. Returns the model and the data."""
+    keras.utils.set_random_seed(SEED + 1000 * world.rank)
+    model = build_ranks()
+    initial = model.get_weights()
+    x, y = _data()
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9)), loss=LOSS)
+    data = hk.shard((x, y), batch_size=BATCH, seed=SEED)
+    local, averaged = [], []
+    model.fit(data, epochs=EPOCHS, verbose=0, callbacks=[_Logs(local), *hk.callbacks(data=data), _Logs(averaged)])
+    weights = model.get_weights()
+    everyone = hvd.allgather_object([w.tolist() for w in weights], name=f"kt.weights.{label}")
+    for other in everyone:
+        assert all(np.array_equal(np.asarray(a, np.float32), b) for a, b in zip(other, weights)), "replicas differ"
+    losses = hvd.allgather_object([logs["loss"] for logs in local], name=f"kt.losses.{label}")
+    for epoch in range(EPOCHS):
+        mean = float(np.mean([r[epoch] for r in losses]))
+        assert abs(averaged[epoch]["loss"] - mean) < 1e-6, (averaged, losses)
+    if world.rank == 0:
+        reference = build_reference()
+        reference.set_weights(initial)
+        reference.compile(optimizer=keras.optimizers.SGD(LR * world.size, momentum=0.9), loss=LOSS)
+        plan = ShardPlan(n=len(x), batch_size=BATCH * world.size, seed=SEED)
+        for epoch in range(EPOCHS):
+            for idx in plan.batches(epoch=epoch):
+                reference.train_on_batch(x[idx], y[idx])
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(weights, reference.get_weights()))
+        moved = max(float(np.max(np.abs(a - b))) for a, b in zip(weights, initial))
+        print(f"[rank 0] keras-torch {label} fit vs one process: max |dw| = {diff:.3g} (weights moved {moved:.3g})",
+              file=sys.stderr, flush=True)
+        assert moved > 1e-2, moved  # the comparison means something: training changed the weights
+        assert diff <= 1e-5, diff
+    return model, x, y
+
+
+@check
+def fit_equals_one_process_with_the_global_batch_and_evaluate_counts_each_sample_once(tmp):
+    model, x, y = _fit_against_one_process(_build, _build, "dense")
+    metrics = hk.evaluate(model, (x, y))  # each rank scores its slice; the sums gathered through horovod.torch
+    out = keras.ops.convert_to_numpy(model(x, training=False))
+    assert metrics["samples"] == len(x), metrics
+    assert abs(metrics["loss"] - float(np.mean(keras.ops.convert_to_numpy(LOSS(y, out))))) < 1e-5, metrics
+    assert abs(metrics["accuracy"] - float(np.mean(out.argmax(1) == y))) < 1e-9, metrics
+
+
+def _with_norm(layer):
+    return lambda: keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), layer(), keras.layers.Activation("tanh"),
+                                     keras.layers.Dense(3)])
+
+
+@check
+def sync_batchnorm_fit_equals_one_process_batchnorm_on_the_global_batch(tmp):
+    # N ranks with SyncBatchNormalization on batch b train as one process with BatchNormalization on batch N*b:
+    # the statistics (forward) and their gradients (backward) are the global batch's; moving statistics too.
+    _fit_against_one_process(_with_norm(hk.SyncBatchNormalization), _with_norm(keras.layers.BatchNormalization),
+                             "sync-batchnorm")
+
+
+def _fresh(seed, rng):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dropout(0.3),
+                              keras.layers.Dense(3)])
+    torch.manual_seed(rng)  # Dropout without a seed draws from torch's RNG on this backend: rank-dependent masks
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9), warmup_steps=3), loss=LOSS)
+    return model, hk.shard(_data(), batch_size=BATCH, seed=4)
+
+
+@check
+def checkpoint_resume_is_bit_identical(tmp):
+    d = Path(hvd.broadcast_object(str(tmp / "resume"), root_rank=0, name="kt.dir"))
+    model, data = _fresh(0, rng=50 + world.rank)
+    model.fit(data, epochs=3, verbose=0, callbacks=hk.callbacks(data=data))
+    uninterrupted = [w.copy() for w in model.get_weights()]
+
+    model, data = _fresh(0, rng=50 + world.rank)  # the run that stops after epoch 1
+    model.fit(data, epochs=1, verbose=0, callbacks=hk.callbacks(data=data, checkpoint_dir=d))
+    # "restart": other weights, other dropout RNG, a fresh optimizer; fit(epochs=3) resumes from the checkpoint
+    model, data = _fresh(seed=7 + world.rank, rng=999)
+    cbs = hk.callbacks(data=data, checkpoint_dir=d, keep=2)
+    history = model.fit(data, epochs=3, verbose=0, callbacks=cbs)
+    assert cbs[0].resumed is not None and cbs[0].resumed["epoch"] == 1, cbs[0].resumed
+    assert len(history.history["loss"]) == 2, "fit must continue from epoch 1, not start over"
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), _fresh(0, 0)[0].get_weights()))
+    assert moved > 1e-2, moved
+    for a, b in zip(model.get_weights(), uninterrupted):
+        assert np.array_equal(a, b), f"resumed run differs from the uninterrupted one by {np.max(np.abs(a - b))}"
+    steps = ShardPlan(n=len(_data()[0]), batch_size=BATCH, size=world.size).steps_per_epoch
+    if world.rank == 0:
+        assert sorted(p.name for p in d.iterdir()) == [f"ckpt-{2 * steps:08d}.npz", f"ckpt-{3 * steps:08d}.npz"]
+
+
+@check
+def accumulation_refused_clearly(tmp):
+    try:
+        hk.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    except ConfigError as e:
+        assert "backward_passes_per_step=2" in str(e) and "torch" in str(e), str(e)
+    else:
+        raise AssertionError("no ConfigError for backward_passes_per_step=2 on the torch backend")
+
+if __name__ == "__main__":
+    main(lambda obj: hvd.allgather_object(obj, name="checks"), world.rank)
