@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import filecmp
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -253,8 +254,9 @@ def _python_for_users(version: str) -> str | None:
 
 @install
 @pytest.mark.timeout(7200)
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 @pytest.mark.parametrize("version", ["3.12", "3.13"])
-def test_unprivileged_build_and_main_job_on_python(unprivileged, version):
+def test_unprivileged_build_and_main_job_on_python(unprivileged, version, framework):
     python = _python_for_users(version)
     if python is None:
         pytest.skip(f"no Python {version} a user without root can run: set HVDP_TEST_PYTHON_{version.replace('.', '_')}"
@@ -267,12 +269,19 @@ def test_unprivileged_build_and_main_job_on_python(unprivileged, version):
                     ignore=shutil.ignore_patterns("__pycache__"))
     CACHE.mkdir(parents=True, exist_ok=True)
     subprocess.run(["chown", "-R", f"{USER}:", str(CACHE), str(home / "examples")], check=True)
-    venv = f"venv-{version}"
+    venv = f"venv-{version}-{framework}"
+    example = {"torch": "train_torch.py", "tensorflow": "train_keras.py"}[framework]
     env = f"export HVDP_CACHE_DIR={CACHE}/hvdp PIP_CACHE_DIR={CACHE}/pip PATH=$HOME/{venv}/bin:$PATH; "
     steps = {  # the commands docs/install.md gives, in order
-        "pip install": f"{python} -m venv {venv} && pip install -q './hvdp[torch]' scikit-learn wheel 'setuptools<82'",
+        "pip install": f"{python} -m venv {venv} && pip install -q './hvdp[{framework}]' scikit-learn wheel "
+                       f"'setuptools<82'",
         "build": "hvdp build-horovod --without-mpi --cpu-only",
-        "job": "horovodrun --gloo -np 2 -H localhost:2 python examples/train_torch.py",
+        "job": f"horovodrun --gloo -np 2 -H localhost:2 python examples/{example}",
+        # the installed copy's own tools (issue 31 item 4): verify, and the bench's training comparison
+        # (its all-reduce section needs MPI and mpi4py, its input pipeline nothing this test adds)
+        "verify": f"hvdp verify --framework {'torch' if framework == 'torch' else 'keras'} --np 2 --gloo",
+        "bench": f"hvdp bench --quick --steps 2 --models cnn --frameworks {framework} --skip-gpt --skip-allreduce "
+                 f"--skip-pipeline --json bench-{version}-{framework}.json",
     }
     took, out = {}, {}
     for step, cmd in steps.items():
@@ -281,6 +290,11 @@ def test_unprivileged_build_and_main_job_on_python(unprivileged, version):
         took[step], out[step] = round(time.monotonic() - start), proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{step} on Python {version}: {cmd}\n{out[step][-4000:]}"
     assert "with Gloo only" in out["build"] and "installed in" in out["build"], out["build"]
+    assert "PASS" in out["verify"], out["verify"][-3000:]
+    bench = json.loads((home / f"bench-{version}-{framework}.json").read_text())
+    assert bench["training"]["framework"] == framework, bench["training"]
+    rates = bench["training"]["models"]["cnn"]["samples_per_sec_per_rank"]
+    assert len(rates) >= 3 and all(v > 0 for v in rates.values()), rates
     result = result_line(out["job"])  # check_consistency() in the example raised had the replicas diverged
-    print(f"Python {version}: {took} s; test accuracy {result['test_accuracy']}")
+    print(f"Python {version}, {framework}: {took} s; test accuracy {result['test_accuracy']}")
     assert result["world_size"] == 2 and result["test_accuracy"] >= 0.97, result
