@@ -63,6 +63,17 @@ def init(**kwargs) -> World:
     return init_(**kwargs)
 
 
+def initialised_horovod():
+    """The backend's horovod module for a collective now: on the torch backend horovod.torch, initialised
+    first (init()) if it is not yet; on TensorFlow horovod.tensorflow as it is (its callers initialise it)."""
+    if on_torch():
+        ensure_init()
+        from hvdp.torch.runtime import hvd
+    else:
+        from hvdp.tensorflow.runtime import hvd
+    return hvd
+
+
 def ensure_init() -> World:
     """This process's World, initialising the backend's Horovod first if needed (init())."""
     hvd = horovod()

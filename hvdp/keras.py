@@ -122,7 +122,7 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
     dataset = _shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, map=map,
                      num_parallel_calls=num_parallel_calls, weights=sample_weights, passes=1,
                      finish=_as_sample_weights if sample_weights else None,
-                     horovod=_initialised_hvd() if _keras_backend.on_torch() else None)
+                     horovod=_keras_backend.initialised_horovod() if _keras_backend.on_torch() else None)
     position = dataset.hvdp_position
     # Keras needs the number of batches to show progress and to end each epoch.
     dataset = watched(dataset.apply(tf.data.experimental.assert_cardinality(position.plan.steps_per_epoch)))
@@ -133,12 +133,6 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
 def _hvd():
     """The horovod module of Keras's backend: horovod.torch on torch, horovod.tensorflow otherwise."""
     return _keras_backend.horovod()
-
-
-def _initialised_hvd():
-    """_hvd(), initialised first (init()) if it is not yet."""
-    _keras_backend.ensure_init()
-    return _hvd()
 
 
 def _as_sample_weights(*element):

@@ -28,15 +28,6 @@ def _fingerprint(model_or_variables) -> str:
                             for i, v in enumerate(_weights(model_or_variables)))
 
 
-def _horovod_module():
-    """horovod.tensorflow, or horovod.torch when hvdp.keras runs on Keras's torch backend (initialised there if
-    needed): the file and its variables are Keras's, the same on both backends."""
-    if _keras_backend.on_torch():
-        _keras_backend.ensure_init()
-        return _keras_backend.horovod()
-    return hvd
-
-
 def _local_state(model, optimizer) -> list[np.ndarray]:
     """This rank's own state as arrays: its local variables' (seed generators, pending gradient sums) and, on
     Keras's torch backend, torch's CPU random state, which Dropout layers without a seed draw from there."""
@@ -87,7 +78,7 @@ def save_checkpoint(directory: str | Path, model, optimizer: keras.optimizers.Op
     except TypeError as e:
         raise ConfigError(f"save_checkpoint extra values must be JSON (numbers, strings, lists, dicts): {e}")
     _build_optimizer(optimizer, model)
-    hvd = _horovod_module()
+    hvd = _keras_backend.initialised_horovod()  # horovod.torch on Keras's torch backend: the file is the same
     # every rank's own state (an error on one rank is raised on all)
     local = _horovod.gather_or_raise(hvd, lambda: _local_state(model, optimizer),
                                      name="hvdp.local_state", operation="save_checkpoint")
@@ -175,7 +166,7 @@ def load_checkpoint(directory: str | Path | None, model, optimizer: keras.optimi
     """
     if not _keras_backend.on_torch():
         _ensure_init()
-    hvd = _horovod_module()
+    hvd = _keras_backend.initialised_horovod()  # horovod.torch on Keras's torch backend: the file is the same
     _build_optimizer(optimizer, model)
     if dataset is not None:
         _position(dataset)  # before any collective: a dataset not made by shard() is refused on every rank
