@@ -123,14 +123,31 @@ def place(hvd, world: World, req: DeviceRequest, visible: int, gpu_id: Callable[
     return index
 
 
+_in_elastic_world = False  # this process has been synced into its elastic job's world (elastic_run's body ran)
+
+
+def entered_elastic_world() -> None:
+    """Note that this process's elastic world is formed: Horovod's elastic run synced it with the others, so
+    from here on every rank of the job runs the same collectives (inside the run, and after it returns on
+    all ranks). Before that, a worker joining a running job runs init(), shard()... alone."""
+    global _in_elastic_world
+    _in_elastic_world = True
+
+
+def _alone(hvd) -> bool:
+    # No rank to gather from: a world of one, or an elastic worker not yet synced into its job's world.
+    return hvd.size() == 1 or (elastic() and not _in_elastic_world)
+
+
 def gather_or_raise(hvd, compute: Callable[[], Any], *, name: str, operation: str) -> list:
     """Run `compute()` on this rank and all-gather the results: a list of every rank's, the same everywhere.
 
     An exception in `compute` on any rank is raised on every rank after the all-gather, so no rank is left
     waiting in a collective the failed one never reaches: the failed ranks' own hvdp error class when they all
     raised the same one (ConfigError...), else RankError naming each failed rank and its exception (chained
-    on that rank). Every rank must call it, with the same `name`. In a world of size 1, or for a worker that
-    joins an elastic job alone, nothing is gathered: the list holds this rank's result only.
+    on that rank). Every rank must call it, with the same `name`. In a world of size 1, or in an elastic job
+    before this process's first elastic run (a joining worker is alone there), nothing is gathered: the list
+    holds this rank's result only.
 
     Args:
         hvd: Horovod's framework module.
@@ -142,7 +159,7 @@ def gather_or_raise(hvd, compute: Callable[[], Any], *, name: str, operation: st
         mine, problem = compute(), None
     except Exception as e:  # noqa: BLE001 - whatever failed, every rank must hear of it
         mine, problem, error = None, (type(e).__name__, str(e), isinstance(e, _errors.HvdpError)), e
-    if hvd.size() == 1 or elastic():
+    if _alone(hvd):
         gathered = [(mine, problem)]
     else:
         gathered = hvd.allgather_object((mine, problem), name=name)

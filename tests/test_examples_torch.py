@@ -118,6 +118,7 @@ def test_elastic_example_trains_under_horovod_elastic_and_alone(tmp_path):
         capture_output=True, text=True, cwd=ROOT, env=env(), timeout=300)
     result = _result(elastic)
     assert result["world_size"] == 2 and result["test_accuracy"] >= 0.95, result
+    assert result["test_samples"] == 359, result  # the evaluation gathers both ranks' halves under elastic too
     assert "training on 2 rank(s) from epoch 0" in elastic.stdout
     alone = _result(run("python", ELASTIC, "--epochs", "6", timeout=300))
-    assert alone["world_size"] == 1 and alone["test_accuracy"] >= 0.95, alone
+    assert alone["world_size"] == 1 and alone["test_accuracy"] >= 0.95 and alone["test_samples"] == 359, alone

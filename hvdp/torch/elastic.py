@@ -4,6 +4,7 @@ worker) and elastic_run, Horovod's reset loop."""
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable
 
 import torch
@@ -142,4 +143,9 @@ def elastic_run(train: Callable) -> Callable:
     Returns:
         The wrapped function (Horovod's hvd.elastic.run).
     """
-    return hvd.elastic.run(train)
+    @functools.wraps(train)
+    def synced(state, *args, **kwargs):
+        _horovod.entered_elastic_world()  # from here collectives (evaluate, checkpoints) span every rank
+        return train(state, *args, **kwargs)
+
+    return hvd.elastic.run(synced)
