@@ -1,5 +1,6 @@
 """The `hvdp` command as a user runs it: doctor and verify."""
 
+import re
 import subprocess
 import sys
 
@@ -79,6 +80,48 @@ def test_verify_catches_a_non_equivalent_model():
     verdict = _verdict(proc)
     assert proc.returncode != 0 and not verdict["ok"] and verdict["max_abs_diff"] > 1e-4, verdict
     assert "FAIL" in proc.stdout
+
+
+@pytest.mark.parametrize("args,size", [(["--np", "2"], 2), (["--np", "3", "--gloo"], 3)], ids=["mpi-np2", "gloo-np3"])
+def test_verify_sharded_passes(args, size):
+    # One launch per world: SGD with momentum, Adam and AdamW, each through prepare(..., shard_optimizer_state=True)
+    # and through the allreduce path, two param groups (lr and weight decay differ), clipping by the global norm,
+    # on 763 parameters (uneven shards at 2 and 3 ranks), with the default short last step.
+    proc = hvdp("verify", "--framework", "torch", "--sharded", *args)
+    verdict = _verdict(proc)
+    assert proc.returncode == 0 and verdict["ok"] and verdict["sharded"], verdict
+    assert verdict["size"] == size and verdict["parameters"] == 763 and verdict["tolerance"] == 1e-5, verdict
+    assert [c["optimizer"] for c in verdict["cases"]] == ["sgd", "adam", "adamw"], verdict
+    for case in verdict["cases"]:
+        assert case["ok"] and case["groups"] == 2 and case["clip"] == 0.42 and case["leftover"] == 8 * size - 1
+        # some steps clipped and some not: a norm per shard or gradients not averaged would change which
+        assert 0 < case["clipped_steps"] < case["steps"] == 6, case
+        assert case["replicas_identical"] and case["allreduce_replicas_identical"], case
+        for key in ("max_abs_diff", "allreduce_max_abs_diff", "vs_allreduce_max_abs_diff"):
+            assert case[key] <= 1e-5, (key, case)
+    printed = [float(d) for d in re.findall(r"max \|dw\| = (\S+) sharded", proc.stdout)]
+    assert len(printed) == 3 and max(printed) <= 1e-5 and proc.stdout.count("-> PASS") == 3, proc.stdout
+
+
+# Not parametrized by the framework's bare name: tests/conftest.py would skip it where TensorFlow is missing,
+# and the refusal must hold there too (it imports no framework).
+@pytest.mark.parametrize("framework", ["--framework=tensorflow", "--framework=keras"])
+def test_verify_refuses_sharded_for_tensorflow(framework, capsys):
+    from hvdp.tools import cli
+    assert cli.main(["verify", framework, "--sharded"]) == 2
+    err = capsys.readouterr().err
+    assert "--sharded is for --framework torch only" in err, err
+    assert "hvdp.tensorflow and hvdp.keras do not offer it" in err, err
+
+
+def test_verify_sharded_rejects_fp16_and_a_bad_clip(capsys):
+    from hvdp.tools import cli
+    assert cli.main(["verify", "--sharded", "--amp", "fp16"]) == 2
+    assert "--sharded with --amp fp16 is not supported" in capsys.readouterr().err
+    assert cli.main(["verify", "--clip", "0"]) == 2
+    assert "--clip must be > 0, got 0.0" in capsys.readouterr().err
+    assert cli.main(["verify", "--framework", "keras", "--clip", "1"]) == 2
+    assert "--clip is for --framework torch only" in capsys.readouterr().err
 
 
 def test_verify_rejects_bad_arguments():

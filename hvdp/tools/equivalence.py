@@ -3,11 +3,14 @@
 Runs inside a launched job. Every rank builds the model from a different seed (so the broadcast is
 exercised), trains `steps` optimizer steps through the hvdp adapter on its shard, and rank 0 replays the
 same steps as one plain process on the union batches. Returns a dict on every rank:
-{"rank", "size", "framework", "optimizer", "steps", "max_abs_diff", "replicas_identical"}.
+{"rank", "size", "framework", "optimizer", "steps", "max_abs_diff", "replicas_identical"}. sharded() runs the
+torch experiment with sharded optimizer state and through the allreduce path, per optimizer (`hvdp verify
+--sharded`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -22,6 +25,39 @@ def synthetic_data(n: int, input_shape: tuple[int, ...], classes: int, seed: int
     x = rng.standard_normal((n, *input_shape)).astype(np.float32)
     y = rng.integers(0, classes, size=n).astype(np.int64)
     return x, y
+
+
+# The optimizers `hvdp verify` compares (torch), by --optimizer name; each takes param_groups() and nothing else.
+WEIGHT_DECAY = 0.01  # the first param group's, with groups=2
+
+
+def _sgd(groups):
+    import torch
+    return torch.optim.SGD(groups, momentum=0.9)
+
+
+def _adam(groups):
+    import torch
+    return torch.optim.Adam(groups)
+
+
+def _adamw(groups):
+    import torch
+    return torch.optim.AdamW(groups)
+
+
+OPTIMIZERS = {"sgd": _sgd, "adam": _adam, "adamw": _adamw}
+
+
+def param_groups(module, lr: float, groups: int = 1) -> list[dict]:
+    """One group at `lr`, or 2 as a fine-tuning recipe makes them: the matrices (dim >= 2) at `lr` with weight
+    decay WEIGHT_DECAY, the biases and other vectors at lr / 2 without (an empty group is left out)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if groups == 1:
+        return [{"params": params, "lr": lr}]
+    out = [{"params": [p for p in params if p.dim() >= 2], "lr": lr, "weight_decay": WEIGHT_DECAY},
+           {"params": [p for p in params if p.dim() < 2], "lr": lr / 2, "weight_decay": 0.0}]
+    return [g for g in out if g["params"]]
 
 
 def run(framework: str, **kw) -> dict:
@@ -39,13 +75,19 @@ def _leftover(leftover: int | None, size: int, batch_size: int) -> int:
 
 def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
            factory=None, input_shape: tuple[int, ...] = (20,), leftover: int | None = None,
-           compile: str | None = None, amp: str | None = None, stream: int | None = None) -> dict:
+           compile: str | None = None, amp: str | None = None, stream: int | None = None,
+           shard: bool = False, clip: float | None = None, groups: int = 1, keep: list | None = None) -> dict:
     """`compile`: the ranks train hvdp.torch.compile(model, backend=compile), the reference stays eager.
     `amp` ("bf16" or "fp16"): both sides run the forward pass under torch.autocast of that dtype, fp16 with
     a GradScaler (the recipe of docs/pytorch.md: unscale after the all-reduce).
     `stream` (a number of DataLoader workers, 0 for none): the ranks read the data as a stream of unknown
     length (an IterableDataset) and step after the loop for a short last accumulation; the reference reads
-    it in the stream's order."""
+    it in the stream's order.
+    `shard`: the ranks train with prepare(..., shard_optimizer_state=True) (ZeRO-1/2).
+    `clip`: both sides clip the (averaged) gradients to this global norm before each step (the sharded
+    optimizer's clip_grad_norm_, else torch.nn.utils.clip_grad_norm_ after synchronize()).
+    `groups`: 1, or 2 param groups (param_groups()) on both sides.
+    `keep`: a list the trained model is appended to (every rank), for a comparison between runs."""
     import copy
 
     import torch
@@ -64,10 +106,8 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     with torch.no_grad():
         classes = model(torch.zeros(2, *input_shape)).shape[-1]  # before the model moves to the rank's device
 
-    def make_optimizer(params, rate):
-        if optimizer == "adam":
-            return torch.optim.Adam(params, lr=rate)
-        return torch.optim.SGD(params, lr=rate, momentum=0.9)
+    def make_optimizer(module, rate):
+        return OPTIMIZERS[optimizer](param_groups(module, rate, groups))
 
     leftover = _leftover(leftover, world.size, batch_size)
     n = steps * accumulate * world.size * batch_size + leftover
@@ -86,7 +126,8 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     def scaler():  # fp16 gradients underflow without loss scaling; bf16 and fp32 need none
         return torch.amp.GradScaler(where.type, enabled=amp == "fp16")
 
-    dist = ht.prepare(model, make_optimizer(model.parameters(), lr), backward_passes_per_step=accumulate)
+    dist = ht.prepare(model, make_optimizer(model, lr), backward_passes_per_step=accumulate,
+                      shard_optimizer_state=shard)
     forward = ht.compile(model, backend=compile) if compile else model
     if stream is None:
         loader = ht.shard(torch.utils.data.TensorDataset(x, y), batch_size=batch_size, seed=seed)
@@ -94,16 +135,26 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     else:
         loader = ht.shard(_pair_stream(x, y), batch_size=batch_size, seed=seed, num_workers=stream)
         batches = None  # unknown until the stream ends: the short last step comes after the loop
-    scale, i = scaler(), -1
+    scale, i, clipped = scaler(), -1, []
+
+    def clip_(module, opt):  # the global norm of the averaged gradients, as one process clips its own
+        if clip is None:
+            return
+        norm = opt.clip_grad_norm_(clip) if shard and opt is dist else \
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        if opt is dist:
+            clipped.append(float(norm) > clip)
 
     def step():
-        if scale.is_enabled():
+        if scale.is_enabled() or (clip is not None and not shard):
             dist.synchronize()  # the all-reduce first, then unscale: every rank sees the same inf/NaN
             scale.unscale_(dist)
+            clip_(model, dist)
             with dist.skip_synchronize():
                 scale.step(dist)
             scale.update()
         else:
+            clip_(model, dist)  # sharded: reduce-scatter, then the norm across the shards
             dist.step()
         dist.zero_grad()
 
@@ -123,13 +174,15 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     def reference_diff():  # rank 0 alone: one process with the global batch, from the same initial weights
         if reference is None:
             return None
-        ref_opt = make_optimizer(reference.parameters(), lr * lr_multiplier(
+        ref_opt = make_optimizer(reference, lr * lr_multiplier(
             "linear", world.size, backward_passes_per_step=accumulate))
         plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed, shuffle=stream is None)
         ref_scale = scaler()
         for idx in plan.batches(epoch=0):
             idx = torch.from_numpy(idx)
             ref_scale.scale(loss_of(reference, x[idx], y[idx])).backward()
+            ref_scale.unscale_(ref_opt)
+            clip_(reference, ref_opt)
             ref_scale.step(ref_opt)
             ref_scale.update()
             ref_opt.zero_grad()
@@ -138,10 +191,44 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
 
     # An error in rank 0's reference run is raised on every rank (the others would wait for its result).
     diff = gather_or_raise(ht.hvd, reference_diff, name="hvdp.verify.diff", operation="hvdp verify")[0]
+    if keep is not None:
+        keep.append(model)
     return {"rank": world.rank, "size": world.size, "framework": "torch", "optimizer": optimizer,
             "steps": steps + (1 if leftover else 0), "accumulate": accumulate, "leftover": leftover,
             "compile": compile, "amp": amp, "stream": stream, "device": str(where),
+            "sharded": shard, "groups": groups, "clip": clip, "clipped_steps": sum(clipped),
+            "parameters": sum(p.numel() for p in model.parameters()),
             "max_abs_diff": diff, "replicas_identical": identical}
+
+
+def _uneven_mlp(input_shape: tuple[int, ...]):
+    """--sharded's default model: 763 parameters at input 20, divisible by neither 2 nor 3. Under
+    param_groups(..., 2) the matrices' bucket (725 elements) splits unevenly among 2 and 3 ranks (363/362,
+    242/242/241), the vectors' (38) among 3 (13/13/12)."""
+    import torch
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), 19), torch.nn.Tanh(),
+                               torch.nn.Linear(19, 15), torch.nn.Tanh(), torch.nn.Linear(15, 4))
+
+
+def sharded(*, optimizers: tuple[str, ...], **kw) -> dict:
+    """`hvdp verify --sharded`: for each optimizer, the same run through prepare(..., shard_optimizer_state=True)
+    and through the allreduce path, from the same initial weights and data, each compared with one process
+    (two param groups, clipping when kw has a clip). Returns {"rank", "size", "cases": [...]}: per optimizer
+    the sharded run's result, with "allreduce_max_abs_diff" (the allreduce path against one process) and
+    "vs_allreduce_max_abs_diff" (the two runs' weights against each other, on this rank)."""
+    if kw.get("factory") is None:
+        kw["factory"] = functools.partial(_uneven_mlp, kw.get("input_shape", (20,)))
+    cases = []
+    for name in optimizers:
+        trained: list = []
+        plain = _torch(optimizer=name, shard=False, keep=trained, **kw)
+        result = _torch(optimizer=name, shard=True, keep=trained, **kw)
+        unsharded, zero = (m.state_dict().values() for m in trained)
+        result["allreduce_max_abs_diff"] = plain["max_abs_diff"]
+        result["allreduce_replicas_identical"] = plain["replicas_identical"]
+        result["vs_allreduce_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(zero, unsharded))
+        cases.append(result)
+    return {"rank": cases[0]["rank"], "size": cases[0]["size"], "cases": cases}
 
 
 def _pair_stream(x, y):

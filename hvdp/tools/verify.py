@@ -5,6 +5,10 @@ rank initialises its model from a *different* seed, so the broadcast from rank 0
 also trains a private copy of the model as one plain process (no Horovod, no hvdp) on the union of the
 ranks' batches, with the learning rate the scaling rule gives. After `--steps` optimizer steps it
 compares the weights and prints the largest difference; the replicas must also be bit-identical.
+
+`--sharded` (torch) runs the experiment through prepare(..., shard_optimizer_state=True) for SGD with
+momentum, Adam and AdamW in one launch, each with two param groups and clipping by the global norm, and
+through the allreduce path beside it: the sharded run must meet the same tolerance against one process.
 """
 
 from __future__ import annotations
@@ -17,8 +21,13 @@ import sys
 from pathlib import Path
 
 FRAMEWORKS = ("torch", "tensorflow", "keras")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 TOLERANCE = 1e-5
+# --sharded's default --clip: within the default model's gradient norms (0.32-0.63 over the 6 steps at np=2 and 3;
+# each optimizer's smallest at np=2 is at most 0.403, its largest at np=3 at least 0.439),
+# so some steps clip and some do not: a norm taken per shard (too small: nothing clips) and gradients summed
+# instead of averaged (too large: every step clips) both move the weights.
+SHARDED_CLIP = 0.42
 # Under autocast the two sides round differently: one process's matmul over N*b samples against N matmuls
 # over b, each rounded to the low precision, then averaged. Measured on the default model (5 steps and a
 # short one, np=2): bf16 8.5e-5, fp16 9.3e-6 (fp32 1.5e-8); the defaults leave a factor of about 10, and a
@@ -34,7 +43,8 @@ def add_arguments(parser) -> None:
                         help="your model: FACTORY() returns an untrained model (default: a small MLP)")
     parser.add_argument("--input-shape", default="20", metavar="D[,D...]",
                         help="shape of one input sample for --model, e.g. 3,32,32 (default 20)")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="sgd (momentum 0.9) or adam")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS,
+                        help="sgd (momentum 0.9), adam or adamw (default sgd; with --sharded, all three)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps to compare (default 5)")
     parser.add_argument("--batch-size", type=int, default=8, help="per-rank batch b (default 8)")
     parser.add_argument("--accumulate", type=int, default=1, help="backward passes per step (default 1)")
@@ -52,6 +62,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"),
                         help="torch: where the ranks and the one process compute (default: HVDP_DEVICE, else auto: "
                              "each rank's own GPU when torch sees GPUs, else the CPU)")
+    parser.add_argument("--sharded", action="store_true",
+                        help="torch: the ranks train with prepare(..., shard_optimizer_state=True) (ZeRO-1/2), "
+                             "with two param groups (different lr and weight decay) and --clip, beside the "
+                             "allreduce path; each --optimizer (default: sgd, adam and adamw) in one launch")
+    parser.add_argument("--clip", type=float, metavar="MAX_NORM",
+                        help=f"torch: both sides clip the gradients to this global norm before each step "
+                             f"(default: none; with --sharded {SHARDED_CLIP:g})")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--tolerance", type=float,
                         help="max |weight difference| allowed (default 1e-5; with --amp " +
@@ -76,10 +93,25 @@ def run(args) -> int:
     if args.stream is not None and args.stream < 0:
         print(f"hvdp verify: --stream must be >= 0, got {args.stream}", file=sys.stderr)
         return 2
-    for name in ("compile", "amp", "stream", "device"):
+    if args.sharded and args.framework != "torch":
+        print(f"hvdp verify: --sharded is for --framework torch only, got --framework {args.framework}: sharded "
+              f"optimizer state (prepare(..., shard_optimizer_state=True)) exists in hvdp.torch only; "
+              f"hvdp.tensorflow and hvdp.keras do not offer it", file=sys.stderr)
+        return 2
+    if args.sharded and args.amp == "fp16":
+        print("hvdp verify: --sharded with --amp fp16 is not supported: GradScaler would look for inf/NaN in "
+              "each rank's shard of the gradients only, so the ranks could disagree on skipping a step; "
+              "use --amp bf16 (no GradScaler)", file=sys.stderr)
+        return 2
+    if args.clip is not None and not args.clip > 0:
+        print(f"hvdp verify: --clip must be > 0, got {args.clip}", file=sys.stderr)
+        return 2
+    for name in ("compile", "amp", "stream", "device", "clip"):
         if getattr(args, name) not in (None, False) and args.framework != "torch":
             print(f"hvdp verify: --{name} is for --framework torch only", file=sys.stderr)
             return 2
+    if args.sharded and args.clip is None:
+        args.clip = SHARDED_CLIP
     if args.tolerance is None:
         args.tolerance = AMP_TOLERANCE[args.amp] if args.amp else TOLERANCE
     if args.worker or _launched():
@@ -98,9 +130,12 @@ def _launched() -> bool:
 
 
 def _forward(args) -> list[str]:
-    out = ["--framework", args.framework, "--optimizer", args.optimizer, "--steps", str(args.steps),
+    out = ["--framework", args.framework, "--steps", str(args.steps),
            "--batch-size", str(args.batch_size), "--accumulate", str(args.accumulate), "--lr", str(args.lr),
            "--tolerance", str(args.tolerance), "--seed", str(args.seed), "--input-shape", args.input_shape]
+    out += ["--optimizer", args.optimizer] if args.optimizer else []
+    out += ["--sharded"] if args.sharded else []
+    out += ["--clip", repr(args.clip)] if args.clip is not None else []
     out += ["--leftover", str(args.leftover)] if args.leftover is not None else []
     out += ["--compile", args.compile] if args.compile else []
     out += ["--amp", args.amp] if args.amp else []
@@ -128,22 +163,58 @@ def _worker(args) -> int:
         os.environ["HVDP_DEVICE"] = args.device  # before hvdp.torch.init() chooses the rank's device
     shape = tuple(int(d) for d in args.input_shape.split(","))
     factory = load_factory(args.model) if args.model else None
-    extra = ({"compile": args.compile, "amp": args.amp, "stream": args.stream} if args.framework == "torch" else {})
-    result = equivalence.run(args.framework, optimizer=args.optimizer, steps=args.steps,
-                             batch_size=args.batch_size, accumulate=args.accumulate, lr=args.lr,
-                             seed=args.seed, factory=factory, input_shape=shape, leftover=args.leftover, **extra)
+    common = dict(steps=args.steps, batch_size=args.batch_size, accumulate=args.accumulate, lr=args.lr,
+                  seed=args.seed, factory=factory, input_shape=shape, leftover=args.leftover)
+    if args.framework == "torch":
+        common.update(compile=args.compile, amp=args.amp, stream=args.stream, clip=args.clip)
+    if args.sharded:
+        return _sharded_worker(args, equivalence.sharded(
+            optimizers=(args.optimizer,) if args.optimizer else OPTIMIZERS, groups=2, **common))
+    optimizer = args.optimizer or "sgd"
+    result = equivalence.run(args.framework, optimizer=optimizer, **common)
     ok = result["max_abs_diff"] <= args.tolerance and result["replicas_identical"]
     if result["rank"] == 0:
         verdict = "PASS" if ok else "FAIL"
-        tail = f" + a last step of {result['leftover']} samples" if result.get("leftover") else ""
-        tail += f", compiled ({result['compile']})" if result.get("compile") else ""
-        tail += f", autocast {result['amp']}" if result.get("amp") else ""
-        tail += f", read as a stream ({result['stream']} workers)" if result.get("stream") is not None else ""
-        tail += f", on {result['device']}" if result.get("device", "cpu") != "cpu" else ""
-        print(f"{result['size']} ranks x batch {args.batch_size} (x{args.accumulate} accumulated) vs 1 process x "
-              f"batch {result['size'] * args.batch_size * args.accumulate}, {args.optimizer}, {args.steps} "
-              f"steps{tail}: "
-              f"max |dw| = {result['max_abs_diff']:.3g} (tolerance {args.tolerance:g}); replicas identical: "
-              f"{result['replicas_identical']} -> {verdict}")
+        print(f"{_setup(args, result, optimizer)}: max |dw| = {result['max_abs_diff']:.3g} (tolerance "
+              f"{args.tolerance:g}); replicas identical: {result['replicas_identical']} -> {verdict}")
         print("verify: " + json.dumps({**result, "tolerance": args.tolerance, "ok": ok}, sort_keys=True), flush=True)
+    return 0 if ok else 1
+
+
+def _setup(args, result: dict, optimizer: str) -> str:
+    """What was compared, in words: '2 ranks x batch 8 (x1 accumulated) vs 1 process x batch 16, sgd, ...'."""
+    tail = f" + a last step of {result['leftover']} samples" if result.get("leftover") else ""
+    tail += f", compiled ({result['compile']})" if result.get("compile") else ""
+    tail += f", autocast {result['amp']}" if result.get("amp") else ""
+    tail += f", read as a stream ({result['stream']} workers)" if result.get("stream") is not None else ""
+    tail += f", on {result['device']}" if result.get("device", "cpu") != "cpu" else ""
+    if result.get("clip") is not None:
+        tail += f", clipped to norm {result['clip']:g} ({result['clipped_steps']} of {result['steps']} steps)"
+    if result.get("sharded"):
+        tail = (f", sharded state (ZeRO-1/2) over {result['parameters']} parameters in {result['groups']} "
+                f"param groups" + tail)
+    return (f"{result['size']} ranks x batch {args.batch_size} (x{args.accumulate} accumulated) vs 1 process x "
+            f"batch {result['size'] * args.batch_size * args.accumulate}, {optimizer}, {args.steps} steps{tail}")
+
+
+def _sharded_worker(args, outcome: dict) -> int:
+    """One line per optimizer, then one JSON line: the largest sharded difference, and every case."""
+    for case in outcome["cases"]:
+        case["ok"] = case["max_abs_diff"] <= args.tolerance and case["replicas_identical"]
+    ok = all(case["ok"] for case in outcome["cases"])
+    if outcome["rank"] == 0:
+        for case in outcome["cases"]:
+            print(f"{_setup(args, case, case['optimizer'])}: max |dw| = {case['max_abs_diff']:.3g} sharded, "
+                  f"{case['allreduce_max_abs_diff']:.3g} allreduce path, {case['vs_allreduce_max_abs_diff']:.3g} "
+                  f"between them (tolerance {args.tolerance:g}); replicas identical: {case['replicas_identical']}"
+                  f" -> {'PASS' if case['ok'] else 'FAIL'}")
+        first = outcome["cases"][0]
+        summary = {"rank": 0, "size": outcome["size"], "framework": "torch", "sharded": True,
+                   "optimizers": [c["optimizer"] for c in outcome["cases"]],
+                   "steps": first["steps"], "leftover": first["leftover"], "clip": first["clip"],
+                   "parameters": first["parameters"],
+                   "max_abs_diff": max(c["max_abs_diff"] for c in outcome["cases"]),
+                   "replicas_identical": all(c["replicas_identical"] for c in outcome["cases"]),
+                   "cases": outcome["cases"], "tolerance": args.tolerance, "ok": ok}
+        print("verify: " + json.dumps(summary, sort_keys=True), flush=True)
     return 0 if ok else 1
