@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -26,14 +27,37 @@ DEFAULTS = {"epochs": 12, "batch_size": 32, "lr": 0.03, "warmup_epochs": 1.0}  #
 SPLIT_SEED = 0  # fixed: every run, every rank and every world size gets the same train/test split
 
 
-def parse_config(description: str, **defaults) -> TrainConfig:
+KERAS_BACKENDS = ("tensorflow", "torch")  # the Keras 3 backends hvdp.keras runs on
+
+
+def parse_config(description: str, *, keras_backend: bool = False, **defaults) -> TrainConfig:
+    """The TrainConfig of the command line; keras_backend=True also accepts --keras-backend (read before
+    Keras is imported, by select_keras_backend)."""
     parser = argparse.ArgumentParser(description=description)
     TrainConfig.add_arguments(parser, **defaults)
+    if keras_backend:
+        _add_keras_backend(parser)
     args = parser.parse_args()
     try:
         return TrainConfig.from_args(args)
     except ConfigError as e:
         parser.error(str(e))
+
+
+def _add_keras_backend(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--keras-backend", choices=KERAS_BACKENDS, default=None,
+                        help="the Keras 3 backend to train on: sets KERAS_BACKEND before Keras is imported "
+                             "(default: KERAS_BACKEND from the environment, else Keras's own, tensorflow)")
+
+
+def select_keras_backend(argv: list[str] | None = None) -> None:
+    """Set KERAS_BACKEND from --keras-backend in `argv` (default sys.argv), which must run before Keras is
+    imported: Keras reads it once, at import. Without the flag the environment's KERAS_BACKEND stays."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_keras_backend(parser)
+    chosen = parser.parse_known_args(argv)[0].keras_backend
+    if chosen:
+        os.environ["KERAS_BACKEND"] = chosen
 
 
 def load_data(path: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -3,8 +3,11 @@
     python examples/train_keras.py                                   # one process
     horovodrun -np 2 -H localhost:2 python examples/train_keras.py   # two ranks
     mpirun --allow-run-as-root -np 2 python examples/train_keras.py  # OpenMPI directly
+    horovodrun -np 2 -H localhost:2 python examples/train_keras.py --keras-backend torch   # Keras on PyTorch
 
-Every line that distribution costs is tagged `# hvdp:`. The last line printed is `result: {json}`.
+`--keras-backend {tensorflow,torch}` sets KERAS_BACKEND before Keras is imported (setting KERAS_BACKEND
+yourself does the same); on torch hvdp.keras averages through horovod.torch. Every line that distribution
+costs is tagged `# hvdp:`. The last line printed is `result: {json}`, with the backend as `keras_backend`.
 train(cfg) is the whole job as a function, which examples/train_on_cluster.py runs on Spark and Ray.
 """
 
@@ -15,14 +18,17 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from common import (DEFAULTS, digest, fail, load_data, num_classes, parse_config, print_result,  # noqa: E402
+                    record_files, select_keras_backend, summary, write_files)
+
+if __name__ == "__main__":
+    select_keras_backend()  # --keras-backend: Keras reads KERAS_BACKEND once, when it is imported (next line)
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvdp.keras as hvdp_keras  # noqa: E402
-import hvdp.tensorflow as hvdp_tf  # noqa: E402
-from common import (DEFAULTS, digest, fail, load_data, num_classes, parse_config, print_result,  # noqa: E402
-                    record_files, summary, write_files)
 from hvdp.core.checkpoint import write_atomic  # noqa: E402
 from hvdp.core.errors import ConfigError, HvdpError  # noqa: E402
 
@@ -46,7 +52,7 @@ def training_data(adapter, cfg, x: np.ndarray, y: np.ndarray, world, **options) 
         return adapter.shard((x, y), batch_size=cfg.batch_size, seed=cfg.seed, **options)
     if world.is_main:  # hvdp: one rank writes the files, the others wait for them
         write_files(cfg.files, x, y, "tfrecord")
-    hvdp_tf.barrier()
+    adapter.barrier()
     shape = x.shape[1:]
 
     def parse(record):  # one sample, in tf.data's threads, after the split
@@ -96,8 +102,9 @@ def train(cfg) -> dict:
     if cfg.logdir and world.is_main:  # hvdp: only rank 0 writes logs
         callbacks.append(_TensorBoardScalars(cfg.logdir, history))
 
-    hvdp_keras.log(f"training on {world.size} rank(s): batch {cfg.batch_size}/rank x {cfg.accumulate} accumulated "
-                   f"= {world.size * cfg.batch_size * cfg.accumulate}/step, lr {cfg.lr} -> "
+    hvdp_keras.log(f"training on {world.size} rank(s), Keras on {keras.backend.backend()}: batch {cfg.batch_size}"
+                   f"/rank x {cfg.accumulate} accumulated = {world.size * cfg.batch_size * cfg.accumulate}/step, "
+                   f"lr {cfg.lr} -> "
                    f"{cfg.lr * optimizer.multiplier:g} (x{optimizer.multiplier:g})")
     started = time.perf_counter()
     model.fit(train, epochs=cfg.epochs, verbose=0, callbacks=callbacks)
@@ -110,11 +117,12 @@ def train(cfg) -> dict:
     if world.is_main and cfg.save_model:  # hvdp: rank 0 saves
         write_atomic(cfg.save_model, lambda f: np.savez(f, **weights))
     return summary(metrics, framework="keras", world_size=world.size, epochs=cfg.epochs, samples=samples,
-                   seconds=seconds, rank=world.rank, weights_sha256=digest(weights.values()))
+                   seconds=seconds, rank=world.rank, weights_sha256=digest(weights.values()),
+                   keras_backend=keras.backend.backend())
 
 
 def main() -> None:
-    result = train(parse_config(__doc__.splitlines()[0], **DEFAULTS))
+    result = train(parse_config(__doc__.splitlines()[0], keras_backend=True, **DEFAULTS))
     if result["rank"] == 0:  # hvdp: rank 0 reports
         print_result(result)
 

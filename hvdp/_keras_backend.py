@@ -105,9 +105,10 @@ def allreduce_gradients(grads: list, *, compression: str = "none") -> list:
 
 
 def broadcast(model, optimizer=None, root_rank: int = 0) -> None:
-    """Copy the model's weights and the optimizer's state (built first, no fake step) from `root_rank` to
-    every rank: hvdp.tensorflow.broadcast on TensorFlow; on torch one in-place horovod.torch broadcast per
-    dtype of the same variables. Every rank must call it."""
+    """Copy the model's weights (a Keras model, or a list of its variables) and the optimizer's state (built
+    first, no fake step) from `root_rank` to every rank: hvdp.tensorflow.broadcast on TensorFlow; on torch one
+    in-place horovod.torch broadcast per dtype of the same variables, after init() if Horovod is not
+    initialised yet. Every rank must call it."""
     if not on_torch():
         from hvdp.tensorflow.collectives import broadcast as tf_broadcast
         tf_broadcast(model, optimizer, root_rank=root_rank)
@@ -115,8 +116,8 @@ def broadcast(model, optimizer=None, root_rank: int = 0) -> None:
     import torch
 
     from hvdp.tensorflow.collectives import _build_optimizer, _weights
-    from hvdp.torch.runtime import hvd
 
+    hvd = initialised_horovod()  # as hvdp.tensorflow.broadcast: initialises Horovod first if it is not yet
     _build_optimizer(optimizer, model)
     variables = _weights(model) + (list(optimizer.variables) if optimizer is not None else [])
     if hvd.size() == 1 or not variables:
@@ -130,6 +131,38 @@ def broadcast(model, optimizer=None, root_rank: int = 0) -> None:
             hvd.broadcast_(flat, root_rank=root_rank, name=f"hvdp.broadcast.{dtype}")
             for v, part in zip(group, torch.split(flat, [v.value.numel() for v in group])):
                 v.assign(part.reshape(v.value.shape))
+
+
+def _collectives():
+    """The collectives module of the backend's adapter: hvdp.torch.collectives on torch (tensors, values and
+    messages as hvdp.torch's), hvdp.tensorflow.collectives otherwise. Each implements barrier, average and
+    check_finite once for its framework; hvdp.keras only chooses."""
+    if on_torch():
+        from hvdp.torch import collectives
+    else:
+        from hvdp.tensorflow import collectives
+    return collectives
+
+
+def barrier() -> None:
+    """Wait until every rank gets here, through the backend's Horovod. Every rank must call it."""
+    _collectives().barrier()
+
+
+def average(value, name: str) -> float:
+    """The mean of the scalar `value` over the ranks, a float, through the backend's Horovod (all-reduce
+    `name`). Every rank must call it."""
+    if isinstance(value, keras.Variable):
+        value = value.value  # the backend's tensor (torch.as_tensor does not take a Keras variable)
+    return _collectives().average(value, name=name)
+
+
+def check_finite(loss, step: int) -> None:
+    """NonFiniteLossError on every rank if `loss` is NaN or inf on any rank (named), at `step`, through the
+    backend's Horovod. Every rank must call it."""
+    if isinstance(loss, keras.Variable):
+        loss = loss.value
+    _collectives().check_finite(loss, step)
 
 
 def allreduce_mean(values: list[float], name: str) -> list[float]:

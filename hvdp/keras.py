@@ -13,16 +13,16 @@ The optimizer averages gradients inside the compiled train step (model.fit calls
 callbacks broadcast rank 0's initial state before the first step, make the data order follow fit's epoch,
 average the epoch metrics over ranks, write/resume checkpoints (rank 0, atomic) and keep the progress bar
 on rank 0. Every rank runs the same script and the same model.fit. DistributedOptimizer, ScaledSchedule,
-average, barrier, broadcast, check_finite, evaluate, check_consistency, save_checkpoint, load_checkpoint and
-log are hvdp.tensorflow's (documented there too): a Keras script needs no other module. Errors are
-hvdp.core.errors classes.
+evaluate, check_consistency, save_checkpoint, load_checkpoint and log are hvdp.tensorflow's (documented there
+too); average, barrier, broadcast and check_finite are this module's, through the Horovod of Keras's backend:
+a Keras script needs no other module. Errors are hvdp.core.errors classes.
 
 Backends: TensorFlow, and PyTorch (KERAS_BACKEND=torch): there init() initialises horovod.torch (through
 hvdp.torch.init) and never horovod.tensorflow, the optimizer averages the torch gradients fit hands it with
-horovod.torch, and the broadcast, metrics, evaluate, log, checkpoints and SyncBatchNormalization go through it
-too (hvdp/_keras_backend.py chooses). Not there yet: backward_passes_per_step > 1 (a ConfigError), and average,
-barrier, broadcast, check_finite and check_consistency called by hand. Any other backend is a ConfigError at
-init(). docs/tensorflow-keras.md#keras-on-the-pytorch-backend says what was tested.
+horovod.torch, and the broadcast, metrics, evaluate, log, checkpoints, SyncBatchNormalization and the
+functions called by hand (average, barrier, broadcast, check_finite, check_consistency) go through it too
+(hvdp/_keras_backend.py chooses). Not there yet: backward_passes_per_step > 1 (a ConfigError). Any other
+backend is a ConfigError at init(). docs/tensorflow-keras.md#keras-on-the-pytorch-backend says what was tested.
 """
 
 from __future__ import annotations
@@ -41,11 +41,7 @@ from hvdp.core.world import World
 from hvdp.tensorflow import (  # noqa: F401  (the shared implementation, re-exported)
     DistributedOptimizer,
     ScaledSchedule,
-    average,
-    barrier,
-    broadcast,
     check_consistency,
-    check_finite,
     evaluate,
     hvd,
     index_records,
@@ -85,6 +81,65 @@ def init(*, timeline: str | None = None, device: str | None = None, share_gpus: 
 def world() -> World:
     """This process's World (rank, size, local_rank, local_size); call init() first (Horovod raises before)."""
     return World.from_horovod(_keras_backend.horovod())
+
+
+def barrier() -> None:
+    """Wait until every rank gets here, through the Horovod of Keras's backend (horovod.torch's barrier on
+    torch, a one-number horovod.tensorflow all-reduce on TensorFlow).
+
+    Every rank must call it; a no-op in a world of size 1. Call init() first.
+    """
+    _keras_backend.barrier()
+
+
+def average(value, name: str = "hvdp.average") -> float:
+    """The mean of a scalar over all ranks (for metrics and logging), through the Horovod of Keras's backend.
+    Every rank must call it. Call init() first.
+
+    Args:
+        value: a number, a one-element tensor of Keras's backend (a torch tensor on torch, detached) or a
+            Keras variable; computed in float64.
+        name: the all-reduce's name in Horovod (default "hvdp.average"); every rank must pass the same.
+
+    Returns:
+        The mean as a float, the same on every rank.
+    """
+    return _keras_backend.average(value, name)
+
+
+def broadcast(model_or_variables, optimizer: keras.optimizers.Optimizer | None = None, root_rank: int = 0) -> None:
+    """Copy the model's variables and the optimizer's state from `root_rank` to every rank, through the
+    Horovod of Keras's backend (callbacks() already does it before the first step; call it for a model
+    trained without them).
+
+    A fresh Keras optimizer is built first, so its state exists (all zeros) and no fake step is taken. One
+    broadcast per dtype. Every rank must call it, with models of the same variables. Calls init() if
+    Horovod is not initialised yet.
+
+    Args:
+        model_or_variables: a Keras model (its weights: parameters and statistics such as BatchNorm's, not
+            the dropout seed states) or a list of Keras variables (a tf.Module's variables on TensorFlow).
+        optimizer: also copy this Keras optimizer's state, building it first (default None: model only).
+        root_rank: the rank whose values everyone gets (default 0).
+    """
+    _keras_backend.broadcast(model_or_variables, optimizer, root_rank=root_rank)
+
+
+def check_finite(loss, step: int) -> None:
+    """Raise NonFiniteLossError on every rank if the loss is NaN or inf on any rank (which is named), through
+    the Horovod of Keras's backend (one one-element allgather).
+
+    Every rank must call it, at the same steps, eagerly (in a callback, or on a value fit returned: it reads
+    the loss's value). Call init() first.
+
+    Args:
+        loss: this rank's loss: a float, a scalar tensor of Keras's backend or a Keras variable.
+        step: the step number, shown in the message.
+
+    Raises:
+        NonFiniteLossError: the loss is NaN or infinite on at least one rank (raised on every rank).
+    """
+    _keras_backend.check_finite(loss, step)
 
 
 def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False, map=None,

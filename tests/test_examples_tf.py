@@ -21,6 +21,21 @@ def test_example_reaches_accuracy(framework, launcher):
     assert result["test_accuracy"] >= 0.97, result
     assert result["test_samples"] == 359  # every test sample counted once, whatever the world size
     assert {"epochs", "samples_per_sec", "seconds", "test_loss"} <= result.keys()
+    if framework == "keras":
+        assert result["keras_backend"] == "tensorflow", result
+
+
+def test_keras_example_on_the_torch_backend():
+    """--keras-backend torch: the same example on Keras's PyTorch backend (hvdp.keras through horovod.torch),
+    the flag winning over a KERAS_BACKEND in the environment; the same accuracy and test set as on TensorFlow."""
+    proc = run("gloo", SCRIPTS["keras"], "--keras-backend", "torch", timeout=300,
+               extra_env={**QUIET, "KERAS_BACKEND": "tensorflow"})
+    result = _result(proc)
+    assert result["keras_backend"] == "torch", result
+    assert "Keras on torch" in proc.stdout, proc.stdout[-2000:]
+    assert result["framework"] == "keras" and result["world_size"] == 2, result
+    assert result["test_accuracy"] >= 0.97, result
+    assert result["test_samples"] == 359, result  # every test sample counted once, as on TensorFlow
 
 
 def test_adasum_is_refused_with_the_fix():

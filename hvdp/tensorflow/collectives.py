@@ -171,13 +171,16 @@ def check_consistency(model_or_variables) -> None:
     Raises:
         DivergenceError: a variable's shape or bytes differ from rank 0's on some rank (raised on every rank).
     """
+    # Only the transport is TensorFlow's: hvdp.keras.check_consistency on Keras's torch backend gathers the
+    # same digests of the same Keras variables through horovod.torch.
+    horovod = _keras_backend.horovod() if _keras_backend.on_torch() else hvd
     variables = _weights(model_or_variables)
     digests = [consistency.digest(f"{i}:{_name(v)}", v.shape,
                                   np.ascontiguousarray(keras.ops.convert_to_numpy(v)).tobytes())
                for i, v in enumerate(variables)]
     problem = consistency.divergence(
-        hvd.allgather_object(digests, name="hvdp.consistency"), labels=[_label(v) for v in variables],
+        horovod.allgather_object(digests, name="hvdp.consistency"), labels=[_label(v) for v in variables],
         fix="Broadcast the initial state (hvdp.tensorflow.broadcast, or hvdp.keras.callbacks) and avoid "
             "rank-dependent code paths")
     if problem:
-        raise DivergenceError(problem, rank=hvd.rank())
+        raise DivergenceError(problem, rank=horovod.rank())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -15,7 +16,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import hvdp.keras as hk  # noqa: E402
-from hvdp.core.errors import ConfigError  # noqa: E402
+from hvdp.core.errors import ConfigError, DivergenceError, NonFiniteLossError  # noqa: E402
 from hvdp.core.sharding import ShardPlan  # noqa: E402
 from tests.checks import check, main  # noqa: E402
 
@@ -145,6 +146,67 @@ def checkpoint_resume_is_bit_identical(tmp):
     steps = ShardPlan(n=len(_data()[0]), batch_size=BATCH, size=world.size).steps_per_epoch
     if world.rank == 0:
         assert sorted(p.name for p in d.iterdir()) == [f"ckpt-{2 * steps:08d}.npz", f"ckpt-{3 * steps:08d}.npz"]
+
+
+def _raises(error, fn, *args):
+    try:
+        fn(*args)
+    except error as e:
+        return str(e)
+    raise AssertionError(f"{fn.__name__}{args} raised no {error.__name__} on rank {world.rank}")
+
+
+@check
+def collectives_called_by_hand_go_through_horovod_torch(tmp):
+    """average, barrier, broadcast, check_finite and check_consistency of hvdp.keras on this backend: exact
+    answers against values computed here from every rank's inputs, horovod.tensorflow never initialised."""
+    import horovod.tensorflow as hvd_tf
+    last = world.size - 1  # not rank 0: root_rank and the rank named in errors are really passed through
+
+    # average: of rank-dependent values (float, a torch scalar with a gradient, a Keras variable) is the exact mean
+    mean = sum(r * 1.5 + 0.25 for r in range(world.size)) / world.size
+    assert hk.average(world.rank * 1.5 + 0.25) == mean, (hk.average(world.rank * 1.5 + 0.25), mean)
+    loss = (torch.tensor([world.rank * 1.5 + 0.25], requires_grad=True) * 1.0).sum()
+    assert hk.average(loss, name="kt.average.tensor") == mean
+    assert hk.average(keras.Variable(world.rank * 1.5 + 0.25, dtype="float32"), name="kt.average.variable") == mean
+
+    # barrier: rank r writes its file r * 0.4 s late; after the barrier every rank sees all of them
+    d = Path(hvd.broadcast_object(str(tmp / "barrier"), root_rank=0, name="kt.barrier.dir"))
+    d.mkdir(parents=True, exist_ok=True)
+    time.sleep(0.4 * world.rank)
+    (d / str(world.rank)).write_text("here")
+    hk.barrier()
+    seen = hvd.allgather_object(sorted(p.name for p in d.iterdir()), name="kt.barrier.seen")  # fail on every rank
+    assert all(s == sorted(str(r) for r in range(world.size)) for s in seen), f"files seen by each rank: {seen}"
+
+    # broadcast: rank-dependent weights and a fresh optimizer; afterwards everyone holds rank `last`'s weights
+    keras.utils.set_random_seed(SEED + 100 * world.rank)
+    model = _build()
+    optimizer = keras.optimizers.SGD(LR, momentum=0.9)
+    mine = [w.copy() for w in model.get_weights()]
+    everyone = hvd.allgather_object([w.tolist() for w in mine], name="kt.broadcast.before")
+    assert world.size == 1 or not np.array_equal(np.asarray(everyone[0][0]), np.asarray(everyone[last][0]))
+    if world.size > 1:  # every rank's weights differ from rank 0's
+        msg = _raises(DivergenceError, hk.check_consistency, model)
+        assert f"rank(s) {list(range(1, world.size))}" in msg, msg
+    hk.broadcast(model, optimizer, root_rank=last)
+    for got, want in zip(model.get_weights(), everyone[last]):
+        assert np.array_equal(got, np.asarray(want, np.float32)), f"rank {world.rank} did not get rank {last}'s"
+    assert optimizer.built and int(optimizer.iterations) == 0, "broadcast built the optimizer without a step"
+    hk.check_consistency(model)  # the replicas agree now: no error
+    # a list of variables; the bias of the last layer only
+    bias = model.layers[-1].bias
+    bias.assign(np.full(bias.shape, world.rank, np.float32))
+    hk.broadcast([bias])
+    assert np.array_equal(keras.ops.convert_to_numpy(bias), np.zeros(bias.shape, np.float32))
+
+    # check_finite: nothing on finite losses; a NaN on rank `last` raises on every rank, naming rank `last`
+    hk.check_finite(loss, step=3)
+    hk.check_finite(world.rank + 0.5, step=4)
+    bad = torch.tensor(float("nan")) if world.rank == last else loss
+    msg = _raises(NonFiniteLossError, hk.check_finite, bad, 5)
+    assert f"at step 5 on rank(s) [{last}]" in msg, msg
+    assert hvd.is_initialized() and not hvd_tf.is_initialized(), "horovod.tensorflow was initialised"
 
 
 @check
