@@ -174,18 +174,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Finish this step's reduce-scatters: each bucket's shard parameter gets its slice of the average (or
         sum, op="sum") over the ranks. Buckets whose parameters all got their gradients started during the
         backward pass; the others (a parameter without a gradient counts as zeros, a last step of fewer than
-        k passes) start here. The model's full gradients are freed (set to None). step() calls it when it has
-        not run yet; call it yourself only to read the shard gradients. Every rank must call it."""
+        k passes) start here. The model's full gradients are freed (set to None). If the averaged gradients
+        hold an inf/NaN in any rank's slice, every rank's shard gradients hold one afterwards (one all-reduce of
+        a flag), so that a GradScaler skips the step on every rank. step() calls it when it has not run yet;
+        call it yourself to read the shard gradients, and before GradScaler.unscale_(). Every rank must call
+        it."""
         for i in range(len(self._buckets)):
             if i not in self._pending:
                 self._reduce(i)
         for i, b in enumerate(self._buckets):
             handle, ctx = self._pending.pop(i)
             b.shard.grad = self._compression.decompress(hvd.synchronize(handle), ctx).to(b.dtype)
+        self._agree_on_non_finite()
         self._counts.clear()
         self._missing = [len(b.pieces) for b in self._buckets]
         self._synchronized = True
         _counted(self.hvdp_schedule)
+
+    def _agree_on_non_finite(self) -> None:
+        """Make an inf/NaN anywhere in the averaged gradients visible in every rank's shard gradients.
+
+        A GradScaler (fp16 AMP) looks for inf/NaN in the gradients of the optimizer's parameters, here this
+        rank's shard only: an overflow in one rank's slice would make that rank skip the step and back off its
+        scale while the others step (diverged replicas, and collectives out of step). One all-reduce (max) of
+        a flag per step tells every rank; a rank whose shard is finite then puts a NaN into it, so that
+        GradScaler.unscale_ finds one on every rank: every rank skips the step and updates the scale alike, as
+        on the allreduce path. Without a GradScaler such a step was broken already (an inf/NaN reaches the
+        weights); a rank holding no element at all gets a one-element NaN gradient, taken back in step()."""
+        if self._size == 1:
+            return
+        grads = [b.shard.grad for b in self._buckets if b.shard.grad.numel()]
+        local = (torch.stack([torch.isfinite(g).all() for g in grads]).all().logical_not() if grads
+                 else torch.zeros((), dtype=torch.bool))
+        local = local.to(torch.float32).cpu()
+        found = hvd.allreduce(local, op=hvd.Max, name="hvdp.zero.nonfinite")
+        if not found.item() or local.item():
+            return
+        with torch.no_grad():
+            if grads:
+                grads[0].view(-1)[0] = math.nan
+            elif self._buckets:  # this rank's shards are all empty: a one-element stand-in, set through .data
+                b = self._buckets[0]  # (torch's .grad setter refuses a size other than the parameter's)
+                b.shard.grad.data = torch.full((1,), math.nan, dtype=b.dtype, device=b.shard.device)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -245,6 +275,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         _horovod.progress(s.step, WAITING)
         if not self._synchronized:
             self.synchronize()
+        for b in self._buckets:  # the stand-in of _agree_on_non_finite on a rank without elements
+            if b.shard.numel() == 0 and b.shard.grad is not None and b.shard.grad.numel():
+                b.shard.grad = b.shard.grad[:0]
         with torch.no_grad():  # the model may have been loaded or changed since the last step: its values rule
             for b in self._buckets:
                 start, length = b.slices[self._rank]

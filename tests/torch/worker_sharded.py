@@ -267,6 +267,83 @@ def reduce_scatter_overlaps_the_backward_pass(tmp):
     assert sorted(starts) == sorted(f"hvdp.zero.grad.{i}" for i in range(buckets)), starts
 
 
+AMP_STEPS, OVERFLOW = 5, 2  # the step at which one rank's gradient overflows
+
+
+class _Scalar(nn.Module):
+    """One 0-dim parameter: a bucket of 1 element, so every rank but rank 0 holds an empty shard only."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return x[:, :4] * self.w
+
+
+def _amp(make, shard):
+    """docs/pytorch.md's AMP recipe (fp16 autocast, GradScaler, unscale after the reduction) for AMP_STEPS steps;
+    at step OVERFLOW the last rank's gradient of the first parameter's first element is inf, before the
+    reduction: the averaged gradient's inf lands in rank 0's shard only. Returns (model, per step: every rank's
+    found_inf, whether the weights moved, the scale after update())."""
+    torch.manual_seed(world.rank)
+    model = make()
+    first = next(model.parameters())
+    opt = ht.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01), shard_optimizer_state=shard)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    step = [0]
+
+    def overflow(grad):
+        if step[0] == OVERFLOW and world.rank == world.size - 1:
+            grad = grad.clone()
+            grad.view(-1)[0] = math.inf
+        return grad
+    handle = first.register_hook(overflow)
+    found, moved, scales = [], [], []
+    try:
+        for t in range(AMP_STEPS):
+            step[0] = t
+            x, y = _batch(t, world.size, 1)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x[0, world.rank]).float(), y[0, world.rank])
+            before = _flat(model)
+            scaler.scale(loss).backward()
+            opt.synchronize()                  # the reduction first ...
+            scaler.unscale_(opt)               # ... then unscale
+            mine = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
+            every = hvd.allgather_object(mine, name=f"amp.found.{shard}.{t}")
+            # before step(): ranks that disagree here would call different collectives next (a hang)
+            assert len(set(every)) == 1, f"{make.__name__}, step {t}: the scalers found inf/NaN {every} (1: skip)"
+            found.append(every[0])
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+            moved.append(not torch.equal(before, _flat(model)))
+            scales.append(scaler.get_scale())
+            ht.check_consistency(model)
+    finally:
+        handle.remove()
+    return model, found, moved, scales
+
+
+@check
+def amp_overflow_in_one_shard_skips_on_every_rank(tmp):
+    # An inf/NaN in one rank's shard of the averaged gradients only: every rank's GradScaler must see it, skip
+    # that step and back off its scale alike; the replicas stay bit-identical, and the run is the allreduce
+    # path's (whose every rank sees the inf). _Scalar: the ranks without a single element must skip too.
+    for make in (Net, _Scalar):
+        plain, plain_found, plain_moved, plain_scales = _amp(make, shard=False)
+        model, found, moved, scales = _amp(make, shard=True)
+        expected = [float(t == OVERFLOW) for t in range(AMP_STEPS)]
+        assert found == plain_found == expected, (make.__name__, found, plain_found)
+        assert moved == plain_moved == [t != OVERFLOW for t in range(AMP_STEPS)], (make.__name__, moved)
+        everyone = hvd.allgather_object(scales, name=f"amp.scales.{make.__name__}")
+        assert all(s == scales for s in everyone), (make.__name__, everyone)
+        assert scales == plain_scales and scales[OVERFLOW] < scales[OVERFLOW - 1], (make.__name__, scales)
+        _same_as_allreduce(_flat(model), _flat(plain), f"{make.__name__}: AMP sharded vs the allreduce path")
+
+
 def _offset(model, param):
     at = 0
     for p in model.parameters():
