@@ -18,7 +18,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, batch, split_name  # noqa: E402
+from cputhreads import Threads  # noqa: E402
 from teardown import end_gloo_worker  # noqa: E402
+from turns import Turns, add_arguments  # noqa: E402
 
 
 def main():
@@ -28,7 +30,8 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions (with --turns: one per turn)")
+    add_arguments(p)
     p.add_argument("--batch", type=int, help="per-rank batch (default: the model's, benchmarks/models.py)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
                    help="auto: each rank's own GPU when torch sees one (the local rank's), else the CPU")
@@ -39,6 +42,7 @@ def main():
     factory, _, batch_size = MODELS[base]
     batch_size = args.batch or batch_size
     rank, size, device = 0, 1, torch.device("cuda" if use_gpu else "cpu")
+    threads = Threads.before_init()
     if args.impl == "hvdp":
         import hvdp.torch as ht
         world = ht.init(device="cuda" if use_gpu else "cpu")  # hvdp: its runtime defaults, the rank's own GPU
@@ -58,6 +62,7 @@ def main():
             local = int(os.environ["LOCAL_RANK"])
             torch.cuda.set_device(local)
             device = torch.device("cuda", local)
+    threads.after_init(engine=args.impl in ("hvdp", "horovod"))
     torch.set_num_threads(args.threads)  # the same thread setting for every implementation
 
     torch.manual_seed(0)
@@ -84,18 +89,25 @@ def main():
         loss.backward()
         optimizer.step()
 
+    turns = Turns.from_args(args, rank)  # set up: from here it runs only in its turns
+    turns.wait("warmup")
     for _ in range(args.warmup):
         step()
     if use_gpu:
         torch.cuda.synchronize()
+    turns.done("warmup", {})
     rates = []
-    for _ in range(args.reps):
+    for rep in range(args.reps):
+        turns.wait(rep)
+        threads.start()
         start = time.perf_counter()
         for _ in range(args.steps):
             step()
         if use_gpu:
             torch.cuda.synchronize()  # the GPU's queued work belongs to the repetition
         rates.append(batch_size * args.steps / (time.perf_counter() - start))
+        threads.stop()
+        turns.done(rep, {"samples_per_sec": rates[-1], "cpu_by_thread": threads.report()})
     if rank == 0:
         print("bench: " + json.dumps({
             "impl": args.impl, "model": args.model, "np": size, "threads": args.threads, "device": str(device),

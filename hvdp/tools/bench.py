@@ -1,7 +1,10 @@
 """`hvdp bench`: training throughput and all-reduce bandwidth of hvdp, raw Horovod and PyTorch DDP, side by
 side in one run, on the same models, data and thread settings. The workers live in benchmarks/.
 
-Each number is the median over repetitions after warm-up steps; the spread (min, max) is kept too.
+Training: every implementation's job is started at once and they take turns, one short repetition each per
+round, the others stopped (hvdp.tools.rotation); each number is the median over rounds, each ratio the median
+of the rounds' ratios with a confidence interval. The all-reduce and input-pipeline runs go one after another,
+the median of their repetitions. The spread (min, max) is kept too.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from hvdp.core.tuning import RUNTIME_DEFAULTS
-from hvdp.tools import resources
+from hvdp.tools import resources, rotation
 
 BENCH_DIR = resources.path("benchmarks")  # inside the installed package, or a checkout's benchmarks/
 # framework -> its worker, the implementations measured side by side, and the ratios reported (a / b).
@@ -32,10 +36,18 @@ FRAMEWORKS = {
                    "ratios": {"hvdp_keras_vs_horovod_tf_tuned": ("hvdp-keras", "horovod-tf-tuned"),
                               "hvdp_tf_vs_horovod_tf_tuned": ("hvdp-tf", "horovod-tf-tuned")}},
 }
+# --keras-backend torch: in the tensorflow framework's place, hvdp.keras's fit on Keras's torch backend against
+# hvdp's PyTorch adapter on the same model (models_tf.py's layers are models.py's): name -> (framework, --impl).
+KERAS_TORCH = {"impls": {"hvdp-keras-torch": ("tensorflow", "hvdp-keras"), "hvdp-torch": ("torch", "hvdp")},
+               "ratios": {"hvdp_keras_torch_vs_hvdp_torch": ("hvdp-keras-torch", "hvdp-torch")}}
+# Training rounds of turns (hvdp.tools.rotation), by --quick; the all-reduce and input-pipeline runs, whole runs
+# one after another, take OTHER_ROUNDS.
+ROUNDS, OTHER_ROUNDS = {False: 15, True: 7}, {False: 3, True: 1}
+SMALL_BYTES = 256 << 10  # up to here an all-reduce's latency is reported (benchmarks/allreduce_worker.py's SMALL)
 ALLREDUCE_IMPLS = ("hvdp-mpi", "horovod-mpi", "hvdp-gloo", "torch-gloo", "mpi4py")
 # Today's typical model (benchmarks/models.py's GPT, ~10M parameters in 76 tensors), eager and compiled,
 # fp32 and bf16 autocast, against DDP and raw Horovod (each compiled the way its users do); with --quick,
-# the bf16 eager one only. Steps per repetition: a third of --steps (a step is ~50x the CNN's here).
+# the bf16 eager one only. Steps per repetition: --steps, as the CNN's (a step takes about as long here).
 GPT = {"variants": ("gpt", "gpt-bf16", "gpt-compiled", "gpt-compiled-bf16"), "quick": ("gpt-bf16",),
        "impls": ("hvdp", "horovod", "ddp"),
        "ratios": {"hvdp_vs_ddp": ("hvdp", "ddp"), "hvdp_vs_horovod": ("hvdp", "horovod")}}
@@ -55,9 +67,15 @@ def add_arguments(parser) -> None:
                         help="comma-separated: torch (hvdp vs raw Horovod vs DDP), tensorflow (hvdp-keras and "
                              "hvdp-tf vs raw horovod.tensorflow); the first gives the summary numbers "
                              "(default torch,tensorflow; torch with --quick)")
+    parser.add_argument("--keras-backend", choices=("tensorflow", "torch"), default="tensorflow",
+                        help="the tensorflow framework's Keras backend (default tensorflow, whatever KERAS_BACKEND "
+                             "says); torch: instead of "
+                             "raw horovod.tensorflow, hvdp-keras on Keras's torch backend against hvdp's PyTorch "
+                             "adapter (hvdp.torch) on the same model, side by side (keras-torch)")
     parser.add_argument("--rounds", type=int,
-                        help="interleaved rounds of every implementation (default 3, 1 with --quick): the "
-                             "machine's slow phases then hit all of them, and each ratio is a median of rounds")
+                        help=f"training: rounds of turns, one short repetition of every implementation each, all "
+                             f"started at once (default {ROUNDS[False]}, {ROUNDS[True]} with --quick): the machine's "
+                             f"slow phases hit all of them, and each ratio is a median of rounds with its interval")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON here")
     parser.add_argument("--plot", metavar="FILE.png", help="plot busbw vs size and throughput per impl")
     parser.add_argument("--timeline", metavar="PATH",
@@ -105,21 +123,6 @@ def _run(cmd: list[str], env: dict, timeout: float = 600) -> list[dict]:
     if proc.returncode != 0 or not found:
         raise RuntimeError(f"benchmark failed ({proc.returncode}): {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-3000:]}")
     return found
-
-
-def _run_side_by_side(cmd: list[str], env: dict, n: int, timeout: float = 600) -> dict:
-    """`n` copies of a single-process run at once, no communication: the most each rank of an n-rank job
-    could reach on this machine (they share its cores, caches and memory bandwidth)."""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for _ in range(n)]
-    rates = []
-    for proc in procs:
-        out = proc.communicate(timeout=timeout)[0]
-        at = out.rfind("bench: ")
-        if proc.returncode != 0 or at < 0:
-            raise RuntimeError(f"benchmark failed ({proc.returncode}): {' '.join(cmd)}\n{out[-3000:]}")
-        rates.append(json.JSONDecoder().raw_decode(out[at + len("bench: "):])[0]["samples_per_sec"])
-    return {"samples_per_sec": statistics.mean(rates), "spread": [min(rates), max(rates)]}
 
 
 def memcpy_gbps(nbytes: int = 64 << 20, reps: int = 10, copies: int = 1) -> float:
@@ -170,80 +173,130 @@ def _impl_run(impl: str) -> tuple[str, bool, dict]:
         return "horovod", False, {}
     if impl == "hvdp-no-watchdog":  # what hvdp's watchdog costs per step
         return "hvdp", False, {"HVDP_WATCHDOG": "0"}
+    if impl == "hvdp-no-prompt":  # Horovod's cycle timing without fix 13 (docs/internals.md)
+        return "hvdp", False, {"HVDP_PROMPT_START": "0"}
     return impl, False, {}
 
 
 def _train(framework: str, model: str, args, rounds: int, steps: list[str], raw_env: dict,
            impls: tuple[str, ...] | None = None, ratios: dict | None = None) -> dict:
-    """Every implementation of `framework` training `model` (or only `impls`, with `ratios`), in `rounds`
-    interleaved rounds, plus one plain process alone and np plain processes side by side (the ceiling) in
-    each round; without `impls`, each distributed implementation at np=1 too (once, not with --quick)."""
+    """Every implementation of `framework` training `model` (or only `impls`, with `ratios`), plus one plain
+    process alone and np plain processes side by side (the ceiling), all started at once and taking turns
+    (hvdp.tools.rotation): `rounds` rounds of one short repetition each. Without `impls`, each distributed
+    implementation at np=1 too (once, after, not with --quick)."""
     spec = FRAMEWORKS[framework]
-    worker_args = ["--model", model, "--threads", str(args.threads), *steps]
-    if framework == "torch":
-        worker_args += ["--device", args.device]
+    worker_args = _worker_args(framework, model, args, rounds, steps)
     all_impls, ratios = impls is None, ratios or spec["ratios"]
     impls = list(spec["impls"] if all_impls else impls)
     if framework == "torch" and all_impls:
-        impls += (["horovod-autotune"] if args.autotune else []) + ([] if args.quick else ["hvdp-no-watchdog"])
-    runs: dict[str, list[dict]] = {impl: [] for impl in impls + ["alone", "independent"]}
-    for r in range(rounds):
+        impls += (["horovod-autotune"] if args.autotune else []) + \
+                 ([] if args.quick else ["hvdp-no-watchdog", "hvdp-no-prompt"])
+    with tempfile.TemporaryDirectory(prefix="hvdp-bench-turns-") as directory:
+        jobs = []
         for impl in impls:
             real, tuned, extra = _impl_run(impl)
             env = {**raw_env, **(RUNTIME_DEFAULTS if tuned else {}), **extra}
-            if impl == impls[0] and args.timeline and r == 0:
+            if impl == impls[0] and args.timeline:
                 env["HOROVOD_TIMELINE"] = f"{args.timeline}.{framework}.{model}.json"
-            cmd = _launch(real, args.np, spec["worker"], ["--impl", real, *worker_args], env,
-                          autotune=impl == "horovod-autotune")
-            print(f"[bench] {framework} {model} round {r + 1}/{rounds}: {impl} np={args.np} ...",
-                  file=sys.stderr, flush=True)
-            runs[impl].append(_run(cmd, env)[0])
-        alone_cmd = _launch("alone", 1, spec["worker"], ["--impl", "alone", *worker_args], raw_env)
-        runs["alone"].append(_run(alone_cmd, raw_env)[0])
-        print(f"[bench] {framework} {model} round {r + 1}/{rounds}: {args.np} independent processes side by "
-              f"side ...", file=sys.stderr, flush=True)
-        runs["independent"].append(_run_side_by_side(alone_cmd, raw_env, args.np))
+            jobs.append(_job(impl, real, spec["worker"], worker_args, args, env, directory,
+                             autotune=impl == "horovod-autotune"))
+        jobs += _plain_jobs(spec["worker"], worker_args, args, raw_env, directory)
+        rounds_of = _rotate(f"{framework} {model}", jobs, rounds, directory)
     np1 = {}
     if not args.quick and all_impls:  # each distributed implementation alone (np=1) too, once
         for impl in spec["impls"]:
             real, tuned, _ = _impl_run(impl)
             if not tuned:
                 np1[impl] = _run(_launch(real, 1, spec["worker"], ["--impl", real, *worker_args], raw_env), raw_env)[0]
+    return _summary(rounds_of, impls, ratios, args, np1)
 
-    def median(impl):  # the median over rounds of each round's median
-        return statistics.median(run["samples_per_sec"] for run in runs[impl])
 
-    per_rank = {impl: median(impl) for impl in impls}
-    alone, ceiling = median("alone"), median("independent")
+def _train_keras_torch(model: str, args, rounds: int, steps: list[str], raw_env: dict) -> dict:
+    """--keras-backend torch: hvdp.keras's fit on Keras's torch backend (train_worker_tf.py under
+    KERAS_BACKEND=torch) against hvdp's PyTorch adapter (train_worker.py --impl hvdp) training the same model,
+    plus a Keras-on-torch process alone and np of them side by side, all in one rotation as in _train. Returns
+    _train's fields, and `keras_backend`: the backend each Keras job's records name (job -> "torch")."""
+    keras_env = {**raw_env, "KERAS_BACKEND": "torch"}
+    with tempfile.TemporaryDirectory(prefix="hvdp-bench-turns-") as directory:
+        jobs = [_job(name, impl, FRAMEWORKS[framework]["worker"], _worker_args(framework, model, args, rounds, steps),
+                     args, keras_env if framework == "tensorflow" else raw_env, directory)
+                for name, (framework, impl) in KERAS_TORCH["impls"].items()]
+        jobs += _plain_jobs(FRAMEWORKS["tensorflow"]["worker"], _worker_args("tensorflow", model, args, rounds, steps),
+                            args, keras_env, directory)
+        rounds_of = _rotate(f"keras-torch {model}", jobs, rounds, directory)
+    result = _summary(rounds_of, list(KERAS_TORCH["impls"]), KERAS_TORCH["ratios"], args, {})
+    result["keras_backend"] = {job.name: "/".join(sorted({r["keras_backend"] for rs in rounds_of[job.name]
+                                                           for r in rs}))
+                               for job in jobs if job.env is keras_env}
+    return result
+
+
+def _worker_args(framework: str, model: str, args, rounds: int, steps: list[str]) -> list[str]:
+    worker_args = ["--model", model, "--threads", str(args.threads), *steps, "--reps", str(rounds)]
+    return worker_args + (["--device", args.device] if framework == "torch" else [])
+
+
+def _job(name: str, impl: str, worker: str, worker_args: list[str], args, env: dict, directory: str,
+         autotune: bool = False) -> rotation.Job:
+    """The rotation's job `name`: `worker` --impl `impl` at np ranks under that implementation's launcher."""
+    cmd = _launch(impl, args.np, worker, ["--impl", impl, *worker_args, "--turns", directory, "--job", name], env,
+                  autotune=autotune)
+    return rotation.Job(name, [cmd], env, processes=args.np)
+
+
+def _plain_jobs(worker: str, worker_args: list[str], args, env: dict, directory: str) -> list[rotation.Job]:
+    """`worker`'s plain process alone, and np of them side by side, no communication (the ceiling)."""
+    alone = [*_launch("alone", 1, worker, ["--impl", "alone", *worker_args], env), "--turns", directory]
+    return [rotation.Job("alone", [[*alone, "--job", "alone"]], env, processes=1),
+            rotation.Job("independent", [[*alone, "--job", "independent", "--instance", str(i)]
+                                         for i in range(args.np)], env, processes=args.np, writers=args.np)]
+
+
+def _rotate(what: str, jobs: list[rotation.Job], rounds: int, directory: str) -> dict[str, list[list[dict]]]:
+    print(f"[bench] {what}: {', '.join(j.name for j in jobs)} started at once, then {rounds} "
+          f"round(s) of one repetition each in turn ...", file=sys.stderr, flush=True)
+    return rotation.rotate(jobs, rounds, Path(directory))
+
+
+def _summary(rounds_of: dict[str, list[list[dict]]], impls: list[str], ratios: dict, args, np1: dict) -> dict:
+    """A rotation's records -> each implementation's samples/s (median of rounds), next to the plain process
+    alone and the independent ones (the jobs "alone" and "independent"), and each ratio (median of rounds)."""
+    # samples/s per rank in each round (the independent processes: their mean)
+    runs = {name: [statistics.mean(r["samples_per_sec"] for r in records) for records in per_round]
+            for name, per_round in rounds_of.items()}
+    # each kind of thread's CPU (cores busy) in the first writer's (rank 0's) repetitions: the median of rounds
+    cpu = {name: {kind: statistics.median(r[0]["cpu_by_thread"].get(kind, 0.0) for r in per_round)
+                  for kind in sorted({k for r in per_round for k in r[0]["cpu_by_thread"]})}
+           for name, per_round in rounds_of.items() if "cpu_by_thread" in per_round[0][0]}
+
+    per_rank = {impl: statistics.median(runs[impl]) for impl in impls}
+    alone, ceiling = statistics.median(runs["alone"]), statistics.median(runs["independent"])
+    per_round = {name: [x / y for x, y in zip(runs[a], runs[b])] for name, (a, b) in ratios.items()}
+    intervals = {name: rotation.interval(values) for name, values in per_round.items()}
     return {
         "samples_per_sec_per_rank": per_rank,
         "samples_per_sec": {k: v * args.np for k, v in per_rank.items()},
-        # min and max over every repetition of every round
-        "spread_per_rank": {impl: [min(run["spread"][0] for run in runs[impl]),
-                                   max(run["spread"][1] for run in runs[impl])] for impl in impls},
-        "rounds_per_rank": {impl: [run["samples_per_sec"] for run in runs[impl]] for impl in runs},
+        "spread_per_rank": {impl: [min(runs[impl]), max(runs[impl])] for impl in impls},  # over rounds
+        "rounds_per_rank": runs,
         "alone_samples_per_sec": alone,
         # np plain processes at once, no communication: the per-rank ceiling on this machine
         "independent_samples_per_sec_per_rank": ceiling,
-        "independent_spread": [min(run["spread"][0] for run in runs["independent"]),
-                               max(run["spread"][1] for run in runs["independent"])],
+        "independent_spread": [min(runs["independent"]), max(runs["independent"])],
         "fraction_of_independent": {k: v / ceiling for k, v in per_rank.items()},
         "np1_samples_per_sec": {k: v["samples_per_sec"] for k, v in np1.items()},
         "scaling_efficiency": {k: v / alone for k, v in per_rank.items()},
-        # each ratio within each round (both sides measured minutes apart at most), then the median of rounds
-        "ratios": {name: statistics.median(x["samples_per_sec"] / y["samples_per_sec"]
-                                           for x, y in zip(runs[a], runs[b]))
-                   for name, (a, b) in ratios.items()},
-        "ratios_per_round": {name: [x["samples_per_sec"] / y["samples_per_sec"] for x, y in zip(runs[a], runs[b])]
-                             for name, (a, b) in ratios.items()},
+        # each ratio within each round (both sides seconds apart), then the median of rounds and its interval
+        "ratios": {name: statistics.median(values) for name, values in per_round.items()},
+        "ratios_per_round": per_round,
+        "ratio_intervals": {name: [lo, hi] for name, (lo, hi, _) in intervals.items()},
+        "cpu_by_thread": cpu,  # torch: benchmarks/cputhreads.py's kinds, cores busy while a repetition ran
+        "interval_coverage": min(c for _, _, c in intervals.values()),
     }
 
 
 def _pipeline(framework: str, args, rounds: int, raw_env: dict) -> dict:
     """Input-pipeline samples/s per rank of hvdp's sharded pipeline and the hand-written one, alone and at np,
     on files the worker writes once into a temporary directory (removed after)."""
-    import tempfile
-
     samples, reps = (4000, rounds) if args.quick else (20000, 3 * rounds)
     with tempfile.TemporaryDirectory(prefix=f"hvdp-bench-{framework}-") as directory:
         out = {}
@@ -281,7 +334,12 @@ def run(args) -> int:
     if unknown or not frameworks:
         print(f"hvdp bench: --frameworks takes {', '.join(FRAMEWORKS)}, got {','.join(frameworks)!r}", file=sys.stderr)
         return 2
-    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    keras_torch = args.keras_backend == "torch"
+    if keras_torch and "tensorflow" not in frameworks:
+        print(f"hvdp bench: --keras-backend torch measures in the tensorflow framework's place; add tensorflow to "
+              f"--frameworks (got {','.join(frameworks)!r})", file=sys.stderr)
+        return 2
+    rounds, other_rounds = args.rounds if args.rounds is not None else ROUNDS[args.quick], OTHER_ROUNDS[args.quick]
     if rounds < 1:
         print(f"hvdp bench: --rounds must be >= 1, got {rounds}", file=sys.stderr)
         return 2
@@ -289,9 +347,10 @@ def run(args) -> int:
     if n_steps < 1:
         print(f"hvdp bench: --steps must be >= 1, got {n_steps}", file=sys.stderr)
         return 2
-    steps = ["--warmup", "3" if args.quick else "10", "--steps", str(n_steps), "--reps", "3"]
+    steps = ["--warmup", "3" if args.quick else "10", "--steps", str(n_steps)]
     base_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH_DIR.parent), os.environ.get("PYTHONPATH", "")]),
-                    PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS=str(args.threads))
+                    PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS=str(args.threads),
+                    KERAS_BACKEND="tensorflow")  # whatever the caller's says; keras-torch's jobs set torch
     raw_env = {k: v for k, v in base_env.items() if k not in RUNTIME_DEFAULTS}  # Horovod's own defaults
 
     report = {"date": datetime.date.today().isoformat(),
@@ -301,19 +360,27 @@ def run(args) -> int:
         print("hvdp bench: --skip-training, --skip-allreduce and --skip-pipeline together leave nothing to measure",
               file=sys.stderr)
         return 2
+    plain = [f for f in frameworks if not (keras_torch and f == "tensorflow")]  # "training": the first's
     for framework in ([] if args.skip_training else frameworks):
         result = {"framework": framework, "np": args.np, "threads": args.threads, "models": {}}
+        if keras_torch and framework == "tensorflow":
+            result.update(framework="keras-torch", label="keras-torch (hvdp.keras fit on Keras's torch backend "
+                                                         "against hvdp.torch; alone, independent: Keras on torch)")
         for model in args.models.split(","):
-            result["models"][model] = _train(framework, model, args, rounds, steps, raw_env)
+            result["models"][model] = (_train_keras_torch(model, args, rounds, steps, raw_env)
+                                       if result["framework"] == "keras-torch" else
+                                       _train(framework, model, args, rounds, steps, raw_env))
         first = args.models.split(",")[0]
         result.update({"model": first, "samples_per_sec": result["models"][first]["samples_per_sec"],
                        **result["models"][first]["ratios"]})
-        result["scaling_efficiency"] = result["models"][first]["scaling_efficiency"][FRAMEWORKS[framework]["impls"][0]]
-        report["training" if framework == frameworks[0] else f"training_{framework}"] = result
+        lead = next(iter(result["models"][first]["samples_per_sec"]))  # hvdp's first implementation
+        result["scaling_efficiency"] = result["models"][first]["scaling_efficiency"][lead]
+        key = "training" if plain and framework == plain[0] else f"training_{result['framework'].replace('-', '_')}"
+        report[key] = result
 
     if "torch" in frameworks and not (args.skip_training or args.skip_gpt):
-        gpt_steps = max(2, n_steps // 3)
-        gpt_args = ["--warmup", "3", "--steps", str(gpt_steps), "--reps", "3"]
+        gpt_steps = n_steps
+        gpt_args = ["--warmup", "3", "--steps", str(gpt_steps)]
         report["training_gpt"] = {"framework": "torch", "label": "torch GPT-style transformer", "np": args.np,
                                   "threads": args.threads, "steps_per_repetition": gpt_steps,
                                   "models": {v: _train("torch", v, args, rounds, gpt_args, raw_env, GPT["impls"],
@@ -321,10 +388,10 @@ def run(args) -> int:
                                              for v in GPT["quick" if args.quick else "variants"]}}
 
     for framework in ([] if args.skip_pipeline else frameworks):
-        report.setdefault("pipeline", {})[framework] = _pipeline(framework, args, rounds, raw_env)
+        report.setdefault("pipeline", {})[framework] = _pipeline(framework, args, other_rounds, raw_env)
 
     if not args.skip_allreduce:
-        sizes = "4096,65536,1048576,16777216,67108864" if args.quick else \
+        sizes = "4096,16384,65536,262144,1048576,16777216,67108864" if args.quick else \
                 ",".join(str(4096 << (2 * i)) for i in range(8))  # 4 KiB .. 64 MiB
         runs, memcpys, shared = {}, [], []
         impls = ALLREDUCE_IMPLS
@@ -332,9 +399,9 @@ def run(args) -> int:
             print("[bench] mpi4py is not installed: its MPI baseline is left out (pip install mpi4py)",
                   file=sys.stderr, flush=True)
             impls = tuple(i for i in impls if i != "mpi4py")
-        for r in range(rounds):  # interleaved like training; each (impl, size) keeps its median round (lower middle if even)
+        for r in range(other_rounds):  # interleaved; each (impl, size) keeps its median round (lower middle if even)
             for impl in impls:
-                print(f"[bench] allreduce round {r + 1}/{rounds}: {impl} np={args.np} ...", file=sys.stderr, flush=True)
+                print(f"[bench] allreduce round {r + 1}/{other_rounds}: {impl} np={args.np} ...", file=sys.stderr, flush=True)
                 cmd = _launch(impl, args.np, "allreduce_worker.py",
                               ["--impl", impl, "--sizes", sizes, "--reps", "5" if args.quick else "10"], raw_env)
                 for one in _run(cmd, raw_env):
@@ -349,15 +416,22 @@ def run(args) -> int:
         memcpy, memcpy_shared = statistics.median(memcpys), statistics.median(shared)
         largest = max(r["bytes"] for r in results)
         report["allreduce"] = {
-            "np": args.np, "memcpy_GBps": memcpy, "memcpy_concurrent_GBps": memcpy_shared, "results": results,
-            "largest_bytes": largest,
+            "np": args.np, "rounds": other_rounds, "memcpy_GBps": memcpy, "memcpy_concurrent_GBps": memcpy_shared,
+            "results": results, "largest_bytes": largest,
             # busbw at the largest size over memcpy bandwidth: the issue's physical yardstick ...
             "fraction_of_memcpy": {r["impl"]: r["busbw_GBps"] / memcpy for r in results if r["bytes"] == largest},
             # ... and over what one rank gets while np ranks copy at once (an np=2 allreduce must read and
             # write every rank's whole buffer: it cannot beat this)
             "fraction_of_concurrent_memcpy": {r["impl"]: r["busbw_GBps"] / memcpy_shared for r in results
                                               if r["bytes"] == largest},
+            # small messages: the time one all-reduce takes (median of its repetitions), and over mpi4py's
+            "latency_us": {impl: {str(r["bytes"]): r["seconds"] * 1e6 for r in results
+                                  if r["impl"] == impl and r["bytes"] <= SMALL_BYTES} for impl in impls},
         }
+        if "mpi4py" in impls:
+            mpi = report["allreduce"]["latency_us"]["mpi4py"]
+            report["allreduce"]["latency_vs_mpi4py"] = {
+                impl: {n: us / mpi[n] for n, us in by.items()} for impl, by in report["allreduce"]["latency_us"].items()}
 
     _print(report)
     if args.json:
@@ -375,18 +449,23 @@ def _training_sections(report: dict) -> list[tuple[str, dict]]:
 def _print(report: dict) -> None:
     for framework, t in _training_sections(report):
         print(f"\n{t.get('label', framework)} training throughput, np={t['np']}, {t['threads']} thread(s)/rank "
-              f"(samples/s per rank, median of {report['rounds']} interleaved round(s); efficiency = per rank / one "
-              f"plain process)")
+              f"(samples/s per rank, median of {report['rounds']} round(s) of turns; [min-max]; efficiency = per "
+              f"rank / one plain process; each ratio: median of the rounds' ratios [its confidence interval])")
         for model, m in t["models"].items():
             print(f"  {model}: alone {m['alone_samples_per_sec']:.0f}; {t['np']} independent processes side by "
                   f"side {m['independent_samples_per_sec_per_rank']:.0f} each (the ceiling per rank)")
             for impl, v in m["samples_per_sec_per_rank"].items():
                 lo, hi = m["spread_per_rank"][impl]
+                cpu = ", ".join(f"{k} {c:.2f}" for k, c in m.get("cpu_by_thread", {}).get(impl, {}).items() if c)
                 print(f"    {impl:<17} {v:8.0f}  [{lo:.0f}-{hi:.0f}]  efficiency {m['scaling_efficiency'][impl]:.2f}"
-                      f"  of ceiling {m['fraction_of_independent'][impl]:.2f}")
+                      f"  of ceiling {m['fraction_of_independent'][impl]:.2f}" + (f"  cores: {cpu}" if cpu else ""))
+            if "keras_backend" in m:
+                print("    Keras ran on: " + ", ".join(f"{job} {b}" for job, b in m["keras_backend"].items()))
             for name, value in m["ratios"].items():
                 rounds = ", ".join(f"{x:.3f}" for x in m["ratios_per_round"][name])
-                print(f"    {name} = {value:.3f}  (rounds: {rounds})")
+                low, high = m["ratio_intervals"][name]
+                print(f"    {name} = {value:.3f}  [{low:.3f}, {high:.3f}] at {m['interval_coverage']:.0%} "
+                      f"(rounds: {rounds})")
     for framework, p in report.get("pipeline", {}).items():
         print(f"\n{framework} input pipeline, {p['samples']} files' samples (samples/s per rank, median; hvdp's "
               f"shard against the hand-written pipeline)")
@@ -413,6 +492,11 @@ def _print(report: dict) -> None:
             print("  " + impl.ljust(12) + "".join(f"{by.get(s, float('nan')):9.3f}" for s in sizes)
                   + f"   {a['fraction_of_memcpy'][impl]:.2f}x memcpy, "
                     f"{a['fraction_of_concurrent_memcpy'][impl]:.2f}x concurrent memcpy at {_human(a['largest_bytes'])}")
+        print("  latency of one small all-reduce, us (x mpi4py's):")
+        for impl, by in a["latency_us"].items():
+            print("  " + impl.ljust(12) + "".join(
+                f"{_human(int(n)):>6} {us:7.0f}" + (f" ({a['latency_vs_mpi4py'][impl][n]:5.1f}x)"
+                                                     if "latency_vs_mpi4py" in a else "") for n, us in by.items()))
 
 
 def _human(n: int) -> str:

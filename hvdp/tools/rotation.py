@@ -1,0 +1,193 @@
+"""Benchmark jobs that take turns: every implementation's job is started at once, then each runs one short
+repetition at a time, in turn, while the others are stopped (SIGSTOP: no CPU at all, not even Horovod's
+background thread), so that a slow phase of the host (another tenant, a frequency drop) lasting seconds or
+minutes hits every implementation alike, and each ratio compares repetitions seconds apart.
+
+The coordinator (rotate) and the workers (benchmarks/turns.py) talk through files in one directory:
+- `<job>.<process>.ready`: a process of the job is set up (imports, init, model) and waits for its first turn;
+- `turn`: whose turn it is, "<job> <rep>" (rep "warmup" first, then 0, 1, ...), or "stop" at the end;
+- `<job>.<rep>.<process>.json`: a process's measurement of that repetition (written by rename: whole or absent).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+POLL_S = 0.005  # the coordinator's look at the directory; a repetition lasts about a second
+
+
+@dataclass
+class Job:
+    """One implementation's run: the processes it starts (one launcher command each; `independent` has several
+    plain processes), how many processes report ready, and how many write each repetition's result."""
+    name: str
+    commands: list[list[str]]
+    env: dict
+    processes: int  # how many ready files it writes (its ranks)
+    writers: int = 1  # result files per repetition (rank 0 of a distributed job; every independent process)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)  # every process of the job, launchers included
+
+
+def interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free confidence interval for the median of `values` (independent draws): the order
+    statistics (x_(k), x_(n+1-k)) with the largest k whose coverage, 1 - 2 P(Binomial(n, 1/2) < k), is at least
+    `confidence`. Returns (low, high, coverage); with too few values for `confidence` (n < 6 at 95%) it is
+    (min, max) and its own, lower, coverage.
+
+    Raises:
+        ValueError: `values` is empty.
+    """
+    if not values:
+        raise ValueError("interval() of no values")
+    xs, n = sorted(values), len(values)
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= confidence:
+        k += 1
+    return xs[k - 1], xs[n - k], coverage(k)
+
+
+def rotate(jobs: list[Job], rounds: int, directory: Path, *, start_timeout: float = 600,
+           turn_timeout: float = 300, log=None) -> dict[str, list[list[dict]]]:
+    """Start every job, let each take a warm-up turn, then `rounds` rounds of one repetition per job.
+
+    Round r starts with job r mod len(jobs) (then in the given order, wrapping around), so that no job always
+    follows the same other one. Returns job name -> per round, the records its writers wrote.
+
+    Raises:
+        RuntimeError: a job exited or failed to report within the timeouts (with its output's tail).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "turn").write_text("")
+    try:
+        for job in jobs:
+            for i, cmd in enumerate(job.commands):
+                log_path = directory / f"{job.name}.{i}.log"
+                out = log_path.open("w")
+                job.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=job.env,
+                                                  start_new_session=True))
+                out.close()
+                job.logs.append(log_path)
+        for job in jobs:
+            _wait_for(jobs, job, lambda j=job: len(list(directory.glob(f"{j.name}.*.ready"))) >= j.processes,
+                      "to start", start_timeout)
+            job.pids = _descendants([p.pid for p in job.procs])
+        for job in jobs:
+            _signal(job, signal.SIGSTOP)
+        results: dict[str, list[list[dict]]] = {job.name: [] for job in jobs}
+        for r in ["warmup", *range(rounds)]:
+            first = 0 if r == "warmup" else r % len(jobs)
+            for job in jobs[first:] + jobs[:first]:
+                if log and r != "warmup":
+                    log(f"round {r + 1}/{rounds}: {job.name}")
+                records = _turn(jobs, job, r, directory, turn_timeout)
+                if r != "warmup":
+                    results[job.name].append(records)
+        return results
+    finally:
+        _finish(jobs, directory)
+
+
+def _turn(jobs: list[Job], job: Job, rep, directory: Path, timeout: float) -> list[dict]:
+    """Job `job`'s repetition `rep`: continue it, hand it the turn, wait for its writers, stop it again."""
+    _write(directory / "turn", f"{job.name} {rep}")
+    _signal(job, signal.SIGCONT)
+    paths = [directory / f"{job.name}.{rep}.{i}.json" for i in range(job.writers)]
+    _wait_for(jobs, job, lambda: all(p.exists() for p in paths), f"to finish repetition {rep}", timeout)
+    _signal(job, signal.SIGSTOP)
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def _wait_for(jobs: list[Job], job: Job, done, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        for other in jobs:
+            for proc, log_path in zip(other.procs, other.logs):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"benchmark job {other.name} exited ({proc.returncode}) while waiting for "
+                                       f"{job.name} {what}: {' '.join(proc.args)}\n{_tail(log_path)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"benchmark job {job.name} did not get {what} within {timeout:.0f} s: "
+                               f"{' '.join(job.procs[0].args)}\n{_tail(job.logs[0])}")
+        time.sleep(POLL_S)
+
+
+def _finish(jobs: list[Job], directory: Path, timeout: float = 120) -> None:
+    """Tell every worker to stop, let them exit, and kill whatever is left after `timeout`."""
+    _write(directory / "turn", "stop")
+    for job in jobs:
+        _signal(job, signal.SIGCONT)
+    deadline = time.monotonic() + timeout
+    for job in jobs:
+        for proc in job.procs:
+            try:
+                proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in job.pids or [p.pid for p in job.procs]:
+            _kill(pid, signal.SIGKILL)
+        for proc in job.procs:
+            if proc.poll() is None:
+                proc.wait()
+
+
+def outputs(job: Job) -> str:
+    """Everything the job's processes printed."""
+    return "".join(path.read_text(errors="replace") for path in job.logs)
+
+
+def _signal(job: Job, sig: int) -> None:
+    for pid in job.pids:
+        _kill(pid, sig)
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    """`roots` and every process below them (by parent pid: torchrun's workers are in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat[stat.rindex(")") + 2:].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
