@@ -1,5 +1,6 @@
 """Where a rank's CPU goes, by thread (Linux /proc/self/task), for `hvdp bench`'s per-thread table.
 
+    import torch                        # first: numpy's and torch's own pools start at import
     threads = Threads.before_init()     # the threads that exist before the library starts its own
     hvd.init()                          # or dist.init_process_group(...)
     threads.after_init(engine=True)     # names the threads init started (engine=False for DDP)
@@ -11,7 +12,9 @@ The kinds:
   and everything Python does (with one intra-op thread, torch computes on it);
 - engine: the first native thread the library's init started: Horovod's background thread (its negotiation
   and the collectives it runs, hvdp's shared-memory all-reduce included). MPI_Init runs inside it, so
-  MPI's own threads come after it. Not used for DDP;
+  MPI's own threads come after it (seen with gdb: the first is in BackgroundThreadLoop, the next two in
+  libevent for PMIx, when torch was imported before before_init(); imported after it, OpenBLAS's thread,
+  which numpy starts, would come first). Not used for DDP;
 - transport: the other native threads init started: MPI's and PMIx's progress threads, Gloo's event loop
   (DDP's collectives run there and on the main thread);
 - watchdog: hvdp's watchdog (the Python thread named hvdp-watchdog);
