@@ -13,9 +13,10 @@ Without --turns a worker runs its repetitions back to back, as a single run (the
 """
 
 import json
-import os
 import time
 from pathlib import Path
+
+from hvdp.tools.rotation import write_whole
 
 POLL_S = 0.001
 
@@ -27,7 +28,7 @@ class Turns:
         self.directory = Path(directory) if directory else None
         self.job, self.index = job, index
         if self.directory:
-            _write(self.directory / f"{job}.{process}.ready", "")
+            write_whole(self.directory / f"{job}.{process}.ready", "")
 
     @classmethod
     def from_args(cls, args, rank: int) -> "Turns":
@@ -51,7 +52,7 @@ class Turns:
 
     def done(self, rep, record: dict) -> None:
         if self.directory and self.index is not None:
-            _write(self.directory / f"{self.job}.{rep}.{self.index}.json", json.dumps(record))
+            write_whole(self.directory / f"{self.job}.{rep}.{self.index}.json", json.dumps(record))
 
 
 def add_arguments(parser) -> None:
@@ -59,8 +60,3 @@ def add_arguments(parser) -> None:
     parser.add_argument("--job", default="", help="this job's name in the rotation")
     parser.add_argument("--instance", type=int, help="which of the independent plain processes this is")
 
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -103,7 +103,7 @@ def rotate(jobs: list[Job], rounds: int, directory: Path, *, start_timeout: floa
 
 def _turn(jobs: list[Job], job: Job, rep, directory: Path, timeout: float) -> list[dict]:
     """Job `job`'s repetition `rep`: continue it, hand it the turn, wait for its writers, stop it again."""
-    _write(directory / "turn", f"{job.name} {rep}")
+    write_whole(directory / "turn", f"{job.name} {rep}")
     _signal(job, signal.SIGCONT)
     paths = [directory / f"{job.name}.{rep}.{i}.json" for i in range(job.writers)]
     _wait_for(jobs, job, lambda: all(p.exists() for p in paths), f"to finish repetition {rep}", timeout)
@@ -127,7 +127,7 @@ def _wait_for(jobs: list[Job], job: Job, done, what: str, timeout: float) -> Non
 
 def _finish(jobs: list[Job], directory: Path, timeout: float = 120) -> None:
     """Tell every worker to stop, let them exit, and kill whatever is left after `timeout`."""
-    _write(directory / "turn", "stop")
+    write_whole(directory / "turn", "stop")
     for job in jobs:
         _signal(job, signal.SIGCONT)
     deadline = time.monotonic() + timeout
@@ -142,11 +142,6 @@ def _finish(jobs: list[Job], directory: Path, timeout: float = 120) -> None:
         for proc in job.procs:
             if proc.poll() is None:
                 proc.wait()
-
-
-def outputs(job: Job) -> str:
-    """Everything the job's processes printed."""
-    return "".join(path.read_text(errors="replace") for path in job.logs)
 
 
 def _signal(job: Job, sig: int) -> None:
@@ -180,8 +175,10 @@ def _descendants(roots: list[int]) -> list[int]:
     return found
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+def write_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` by rename, so a reader sees the old content or the new, never a part (the
+    coordinator's turn file, the workers' ready and result files)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 
