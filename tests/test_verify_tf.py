@@ -20,6 +20,7 @@ def test_verify_passes(framework, args, size, leftover):
     assert verdict["framework"] == framework and verdict["size"] == size
     assert verdict["leftover"] == leftover and verdict["steps"] == 6, verdict
     assert verdict["max_abs_diff"] <= 1e-5 and verdict["replicas_identical"]
+    assert verdict["optimizer_class"] == ("Adam" if "adam" in args else "SGD"), verdict
 
 
 def test_verify_keras_catches_a_non_equivalent_model():
@@ -28,3 +29,36 @@ def test_verify_keras_catches_a_non_equivalent_model():
     verdict = _verdict(proc)
     assert proc.returncode != 0 and not verdict["ok"] and verdict["max_abs_diff"] > 1e-4, verdict
     assert "FAIL" in proc.stdout
+
+
+@pytest.mark.parametrize("args,ok", [
+    (["--np", "2", "--gloo", "--optimizer", "adamw", "--lr", "0.005"], True),
+    # the broken variant: per-rank BatchNormalization statistics, also on Keras's torch backend (MPI)
+    (["--np", "2", "--model", "tests.fixtures.keras_models:with_batchnorm"], False),
+])
+def test_verify_keras_on_the_torch_backend(args, ok):
+    # fit on Keras's torch backend (gradients through horovod.torch) against one process on the same backend,
+    # the epoch's short last step (15 samples split unevenly) included
+    proc = hvdp("verify", "--framework", "keras", "--keras-backend", "torch", *args)
+    verdict = _verdict(proc)
+    assert verdict["framework"] == "keras" and verdict["keras_backend"] == "torch" and verdict["size"] == 2, verdict
+    assert verdict["leftover"] == 15 and verdict["steps"] == 6, verdict
+    if ok:
+        assert proc.returncode == 0 and verdict["ok"], verdict
+        assert verdict["max_abs_diff"] <= 1e-5 and verdict["replicas_identical"], verdict
+        assert verdict["optimizer_class"] == "AdamW", verdict  # the one asked for, not SGD in its place
+        assert "Keras on torch" in proc.stdout and "PASS" in proc.stdout
+    else:
+        assert proc.returncode != 0 and not verdict["ok"] and verdict["max_abs_diff"] > 1e-4, verdict
+        assert "FAIL" in proc.stdout
+
+
+def test_verify_keras_backend_refusals(capsys):
+    from hvdp.tools import cli
+    # hvdp.keras does not accumulate on the torch backend: refused before anything is launched, saying what works
+    assert cli.main(["verify", "--framework=keras", "--keras-backend=torch", "--accumulate", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--accumulate 2 is not supported with --keras-backend torch" in err, err
+    assert "--accumulate 1, or --keras-backend tensorflow" in err, err
+    assert cli.main(["verify", "--framework=torch", "--keras-backend=torch"]) == 2
+    assert "--keras-backend is for --framework keras only" in capsys.readouterr().err

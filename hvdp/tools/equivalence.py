@@ -257,12 +257,16 @@ def __getattr__(name: str):
 
 def _keras_setup(framework: str, *, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float,
                  seed: int, factory, input_shape: tuple[int, ...], leftover: int | None):
-    """What the TensorFlow and Keras experiments share: rank-dependent model, data, rank 0's reference copy."""
+    """What the TensorFlow and Keras experiments share: rank-dependent model, data, rank 0's reference copy.
+    "keras" runs on Keras's backend (KERAS_BACKEND: TensorFlow or torch, the ranks and the reference alike)."""
     import keras
 
-    import hvdp.tensorflow as htf
-
-    world = htf.init()
+    if framework == "keras":
+        import hvdp.keras as hk
+        world = hk.init()  # horovod.torch on Keras's torch backend, horovod.tensorflow on TensorFlow
+    else:
+        import hvdp.tensorflow as htf
+        world = htf.init()
 
     def build():
         if factory is not None:
@@ -270,10 +274,11 @@ def _keras_setup(framework: str, *, optimizer: str, steps: int, batch_size: int,
         return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
                                  keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(4)])
 
+    makers = {"sgd": lambda rate: keras.optimizers.SGD(rate, momentum=0.9), "adam": keras.optimizers.Adam,
+              "adamw": keras.optimizers.AdamW}  # hvdp verify's OPTIMIZERS; AdamW with Keras's weight decay
+
     def make_optimizer(rate):
-        if optimizer == "adam":
-            return keras.optimizers.Adam(rate)
-        return keras.optimizers.SGD(rate, momentum=0.9)
+        return makers[optimizer](rate)
 
     keras.utils.set_random_seed(seed + 1000 * world.rank + 1)  # deliberately different weights (and TF seed) per rank
     model = build()
@@ -289,11 +294,12 @@ def _keras_setup(framework: str, *, optimizer: str, steps: int, batch_size: int,
     return world, model, reference, make_optimizer, x, y, n, multiplier, leftover
 
 
-def _keras_result(framework, world, model, reference, x, y, n, *, batch_size, accumulate, optimizer, steps, seed,
-                  leftover, replay) -> dict:
+def _keras_result(framework, world, model, reference, x, y, n, *, batch_size, accumulate, optimizer,
+                  optimizer_class, steps, seed, leftover, replay) -> dict:
     import numpy as np_
 
     import hvdp.tensorflow as htf
+    from hvdp import _keras_backend
     from hvdp.core.errors import DivergenceError
 
     try:
@@ -309,10 +315,13 @@ def _keras_result(framework, world, model, reference, x, y, n, *, batch_size, ac
             replay(x[idx], y[idx])
         return max(float(np_.max(np_.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights()))
 
-    diff = gather_or_raise(htf.hvd, reference_diff, name="hvdp.verify.diff", operation="hvdp verify")[0]
+    # hvdp.keras's Horovod is the one of Keras's backend (horovod.torch on torch); the custom loop's is TensorFlow's.
+    horovod = _keras_backend.horovod() if framework == "keras" else htf.hvd
+    diff = gather_or_raise(horovod, reference_diff, name="hvdp.verify.diff", operation="hvdp verify")[0]
+    extra = {"keras_backend": _keras_backend.name()} if framework == "keras" else {}
     return {"rank": world.rank, "size": world.size, "framework": framework, "optimizer": optimizer,
-            "steps": steps + (1 if leftover else 0), "accumulate": accumulate, "leftover": leftover,
-            "max_abs_diff": diff, "replicas_identical": identical}
+            "optimizer_class": optimizer_class, "steps": steps + (1 if leftover else 0), "accumulate": accumulate,
+            "leftover": leftover, "max_abs_diff": diff, "replicas_identical": identical, **extra}
 
 
 def _tensorflow(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
@@ -328,7 +337,8 @@ def _tensorflow(*, optimizer: str, steps: int, batch_size: int, accumulate: int,
         "tensorflow", optimizer=optimizer, steps=steps, batch_size=batch_size, accumulate=accumulate, lr=lr,
         seed=seed, factory=factory, input_shape=input_shape, leftover=leftover)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    dist = htf.DistributedOptimizer(make_optimizer(lr), backward_passes_per_step=accumulate)
+    inner = make_optimizer(lr)
+    dist = htf.DistributedOptimizer(inner, backward_passes_per_step=accumulate)
     htf.broadcast(model, dist)
 
     @tf.function
@@ -351,13 +361,14 @@ def _tensorflow(*, optimizer: str, steps: int, batch_size: int, accumulate: int,
         ref_opt.apply_gradients(zip(tape.gradient(loss, reference.trainable_variables), reference.trainable_variables))
 
     return _keras_result("tensorflow", world, model, reference, x, y, n, batch_size=batch_size,
-                         accumulate=accumulate, optimizer=optimizer, steps=steps, seed=seed, leftover=leftover,
-                         replay=replay)
+                         accumulate=accumulate, optimizer=optimizer, optimizer_class=type(inner).__name__,
+                         steps=steps, seed=seed, leftover=leftover, replay=replay)
 
 
 def _keras(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
            factory=None, input_shape: tuple[int, ...] = (20,), leftover: int | None = None) -> dict:
-    """Keras 3 model.fit with hvdp.keras's optimizer, shard and callbacks; the reference uses train_on_batch."""
+    """Keras 3 model.fit with hvdp.keras's optimizer, shard and callbacks; the reference uses train_on_batch. Both
+    run on Keras's backend (KERAS_BACKEND, which `hvdp verify --keras-backend` sets before Keras is imported)."""
     import keras
 
     import hvdp.keras as hk
@@ -366,12 +377,12 @@ def _keras(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
         "keras", optimizer=optimizer, steps=steps, batch_size=batch_size, accumulate=accumulate, lr=lr,
         seed=seed, factory=factory, input_shape=input_shape, leftover=leftover)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile(optimizer=hk.DistributedOptimizer(make_optimizer(lr), backward_passes_per_step=accumulate),
-                  loss=loss_fn)
+    inner = make_optimizer(lr)
+    model.compile(optimizer=hk.DistributedOptimizer(inner, backward_passes_per_step=accumulate), loss=loss_fn)
     data = hk.shard((x, y), batch_size=batch_size, seed=seed)
     model.fit(data, epochs=1, verbose=0, callbacks=hk.callbacks(data=data))
     if reference is not None:
         reference.compile(optimizer=make_optimizer(lr * multiplier), loss=loss_fn)
     return _keras_result("keras", world, model, reference, x, y, n, batch_size=batch_size, accumulate=accumulate,
-                         optimizer=optimizer, steps=steps, seed=seed, leftover=leftover,
-                         replay=lambda xb, yb: reference.train_on_batch(xb, yb))
+                         optimizer=optimizer, optimizer_class=type(inner).__name__, steps=steps, seed=seed,
+                         leftover=leftover, replay=lambda xb, yb: reference.train_on_batch(xb, yb))

@@ -10,6 +10,10 @@ compares the weights and prints the largest difference; the replicas must also b
 momentum, Adam and AdamW in one launch, each with two param groups and clipping by the global norm, and
 through the allreduce path beside it: the sharded run must meet the same tolerance against one process. With
 --amp fp16 both use a GradScaler, whose skip decisions the sharded optimizer makes agree across the ranks.
+
+`--framework keras --keras-backend torch` runs hvdp.keras's model.fit on Keras's PyTorch backend (gradients through
+horovod.torch), the one-process reference on the same backend; --accumulate > 1 is refused there (hvdp.keras does
+not accumulate on torch yet).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 from pathlib import Path
 
 FRAMEWORKS = ("torch", "tensorflow", "keras")
+KERAS_BACKENDS = ("tensorflow", "torch")  # hvdp._keras_backend.BACKENDS (not imported here: it imports Keras)
 OPTIMIZERS = ("sgd", "adam", "adamw")
 TOLERANCE = 1e-5
 # --sharded's default --clip: within the default model's gradient norms (0.32-0.63 over the 6 steps at np=2 and 3;
@@ -78,6 +83,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--clip", type=float, metavar="MAX_NORM",
                         help=f"torch: both sides clip the gradients to this global norm before each step "
                              f"(default: none; with --sharded {SHARDED_CLIP:g})")
+    parser.add_argument("--keras-backend", choices=KERAS_BACKENDS,
+                        help="keras: the Keras backend both sides run on (default tensorflow, whatever KERAS_BACKEND "
+                             "says); torch: fit's gradients go through horovod.torch")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--tolerance", type=float,
                         help="max |weight difference| allowed (default 1e-5; with --amp " +
@@ -114,6 +122,16 @@ def run(args) -> int:
         if getattr(args, name) not in (None, False) and args.framework != "torch":
             print(f"hvdp verify: --{name} is for --framework torch only", file=sys.stderr)
             return 2
+    if args.keras_backend is not None and args.framework != "keras":
+        print(f"hvdp verify: --keras-backend is for --framework keras only, got --framework {args.framework}",
+              file=sys.stderr)
+        return 2
+    if args.keras_backend == "torch" and args.accumulate > 1:
+        print(f"hvdp verify: --accumulate {args.accumulate} is not supported with --keras-backend torch: "
+              f"hvdp.keras.DistributedOptimizer refuses backward_passes_per_step > 1 on Keras's torch backend (its "
+              f"accumulation runs as TensorFlow ops); use --accumulate 1, or --keras-backend tensorflow",
+              file=sys.stderr)
+        return 2
     if args.sharded and args.clip is None:
         args.clip = SHARDED_CLIP
     if args.tolerance is None:
@@ -145,6 +163,7 @@ def _forward(args) -> list[str]:
     out += ["--amp", args.amp] if args.amp else []
     out += ["--stream", str(args.stream)] if args.stream is not None else []
     out += ["--device", args.device] if args.device else []
+    out += ["--keras-backend", args.keras_backend] if args.keras_backend else []
     return out + (["--model", args.model] if args.model else [])
 
 
@@ -165,6 +184,10 @@ def _worker(args) -> int:
     from hvdp.tools import equivalence
     if args.device:
         os.environ["HVDP_DEVICE"] = args.device  # before hvdp.torch.init() chooses the rank's device
+    if args.framework in ("keras", "tensorflow"):
+        # Before Keras is imported (nothing here has imported it yet): the custom loop is TensorFlow's; fit runs
+        # on --keras-backend, tensorflow unless asked, whatever the caller's KERAS_BACKEND says.
+        os.environ["KERAS_BACKEND"] = args.keras_backend or "tensorflow"
     shape = tuple(int(d) for d in args.input_shape.split(","))
     factory = load_factory(args.model) if args.model else None
     common = dict(steps=args.steps, batch_size=args.batch_size, accumulate=args.accumulate, lr=args.lr,
@@ -192,6 +215,7 @@ def _setup(args, result: dict, optimizer: str) -> str:
     tail += f", autocast {result['amp']}" if result.get("amp") else ""
     tail += f", read as a stream ({result['stream']} workers)" if result.get("stream") is not None else ""
     tail += f", on {result['device']}" if result.get("device", "cpu") != "cpu" else ""
+    tail += f", Keras on {result['keras_backend']}" if result.get("keras_backend") else ""
     if result.get("clip") is not None:
         tail += f", clipped to norm {result['clip']:g} ({result['clipped_steps']} of {result['steps']} steps)"
     if result.get("sharded"):
