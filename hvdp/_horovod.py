@@ -5,6 +5,8 @@ module as an argument; imports nothing heavy at module level."""
 from __future__ import annotations
 
 import atexit
+import copy
+import functools
 import importlib
 import os
 import secrets
@@ -132,6 +134,43 @@ def entered_elastic_world() -> None:
     all ranks). Before that, a worker joining a running job runs init(), shard()... alone."""
     global _in_elastic_world
     _in_elastic_world = True
+
+
+def elastic_body(train: Callable, failed_collective: Callable[[BaseException], bool] | None = None) -> Callable:
+    """`train(state, ...)` as Horovod's elastic loop is to call it (hvdp.torch.elastic_run, hvdp.keras's): it
+    notes that this process is synced into its job's world (entered_elastic_world), and a framework's error
+    for which `failed_collective(error)` holds (a collective that failed inside Keras's fit comes out as a
+    TensorFlow error) is raised as HorovodInternalError, which that loop takes for a lost worker."""
+    @functools.wraps(train)
+    def body(state, *args, **kwargs):
+        entered_elastic_world()  # from here collectives (evaluate, checkpoints) span every rank
+        try:
+            return train(state, *args, **kwargs)
+        except Exception as e:
+            if failed_collective is None or not failed_collective(e):
+                raise
+            from horovod.common.exceptions import HorovodInternalError
+            raise HorovodInternalError(e) from e
+    return body
+
+
+class CopiedExtras:
+    """A base to put before horovod.common.elastic.ObjectState: an elastic state's extras are kept by value.
+    ObjectState keeps references, so an extra changed in place after a commit (history.append(...)) was not
+    undone by the rollback after a lost worker, and what it recorded of the rolled-back steps stayed, twice
+    once they were trained again. Here a commit saves deep copies, and a restore or sync sets copies of them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._saved_state = copy.deepcopy(self._saved_state)
+
+    def save(self) -> None:
+        super().save()
+        self._saved_state = copy.deepcopy(self._saved_state)
+
+    def _set_attrs(self) -> None:
+        for attr, value in self._saved_state.items():
+            setattr(self, attr, copy.deepcopy(value))
 
 
 def _alone(hvd) -> bool:

@@ -23,6 +23,8 @@ horovod.torch, and the broadcast, metrics, evaluate, log, checkpoints, SyncBatch
 functions called by hand (average, barrier, broadcast, check_finite, check_consistency) go through it too
 (hvdp/_keras_backend.py chooses). Not there yet: backward_passes_per_step > 1 (a ConfigError). Any other
 backend is a ConfigError at init(). docs/tensorflow-keras.md#keras-on-the-pytorch-backend says what was tested.
+
+Elastic fit (TensorFlow backend): ElasticState and elastic_run, from hvdp/keras_elastic.py (docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -178,10 +180,11 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
                      num_parallel_calls=num_parallel_calls, weights=sample_weights, passes=1,
                      finish=_as_sample_weights if sample_weights else None,
                      horovod=_keras_backend.initialised_horovod() if _keras_backend.on_torch() else None)
-    position = dataset.hvdp_position
+    position, batches = dataset.hvdp_position, dataset
     # Keras needs the number of batches to show progress and to end each epoch.
-    dataset = watched(dataset.apply(tf.data.experimental.assert_cardinality(position.plan.steps_per_epoch)))
+    dataset = watched(batches.apply(tf.data.experimental.assert_cardinality(position.plan.steps_per_epoch)))
     dataset.hvdp_position = position
+    dataset.hvdp_batches = batches  # unsized: ElasticState sizes it for the rest of an epoch in a changed world
     return dataset
 
 
@@ -216,22 +219,38 @@ def _loss_scaling_inside(model):
     LossScaleOptimizer(DistributedOptimizer(opt)) into DistributedOptimizer(LossScaleOptimizer(opt)): the
     scaled gradients are averaged first, so every rank sees the same values and takes the same skip
     decision, and they are unscaled after. A DistributedOptimizer already holding a LossScaleOptimizer only
-    loses compile's extra wrapper (it would scale the loss twice)."""
+    loses compile's extra wrapper (it would scale the loss twice).
+
+    On Keras's torch backend fit builds the optimizers (no step) before the callbacks run: the new
+    LossScaleOptimizer is then built here, so that the broadcast and checkpoints hold its variables as on
+    TensorFlow."""
     outer = model.optimizer
     if not (isinstance(outer, keras.optimizers.LossScaleOptimizer)
             and isinstance(outer.inner_optimizer, DistributedOptimizer)):
         return outer
     dist = outer.inner_optimizer
-    if outer.built:
+    if _stepped(outer):
         raise ConfigError("the model's LossScaleOptimizer(DistributedOptimizer) was already used for a step; "
                           "give hvdp.keras.callbacks() to the first fit after compile", rank=_hvd().rank())
     if not isinstance(dist.inner_optimizer, keras.optimizers.LossScaleOptimizer):
         dist.inner_optimizer = keras.optimizers.LossScaleOptimizer(
             dist.inner_optimizer, initial_scale=outer.initial_scale,
             dynamic_growth_steps=outer.dynamic_growth_steps)
+    if dist.built and not dist.inner_optimizer.built:
+        with keras.name_scope(dist.inner_optimizer.name, caller=dist.inner_optimizer):
+            dist.inner_optimizer.build(dist._trainable_variables)
     model.optimizer = dist
     model.make_train_function(force=True)  # fit looks the step up every step: it now uses `dist`
     return dist
+
+
+def _stepped(loss_scale) -> bool:
+    """Whether the LossScaleOptimizer `loss_scale` took or skipped a step (built alone is not: on the torch
+    backend fit builds it before the first step)."""
+    if not loss_scale.built:
+        return False
+    return (int(loss_scale.iterations) > 0 or int(keras.ops.convert_to_numpy(loss_scale.step_counter)) > 0
+            or float(keras.ops.convert_to_numpy(loss_scale.dynamic_scale)) != float(loss_scale.initial_scale))
 
 
 class DistributedCallback(keras.callbacks.Callback):
@@ -246,6 +265,8 @@ class DistributedCallback(keras.callbacks.Callback):
     Raises:
         ConfigError: `data` was not made by shard(), or `keep` is not an integer >= 1.
     """
+
+    _broadcast_first = True  # False under ElasticState.fit: its sync() already made the ranks agree
 
     def __init__(self, *, data=None, checkpoint_dir: str | Path | None = None, keep: int = 3,
                  average_metrics: bool = True):
@@ -296,7 +317,7 @@ class DistributedCallback(keras.callbacks.Callback):
                 f"{self.resumed['global_step']}) of {self.checkpoint_dir}")
             if self.resumed["step"]:
                 self._finish_epoch(self.resumed["epoch"], self.resumed["step"])
-        else:
+        elif self._broadcast_first:
             _keras_backend.broadcast(model, optimizer)  # builds the optimizer's state first: no fake step
 
     def on_train_end(self, logs=None):
@@ -474,6 +495,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         return mean.to(inputs.dtype), variance.to(inputs.dtype)
 
 
+from hvdp.keras_elastic import ElasticState, elastic_run  # noqa: E402  (it builds on this module's callbacks)
+
 __all__ = ["init", "world", "DistributedOptimizer", "ScaledSchedule", "shard", "index_records", "callbacks",
            "DistributedCallback", "SyncBatchNormalization", "average", "barrier", "broadcast", "check_finite",
-           "evaluate", "check_consistency", "save_checkpoint", "load_checkpoint", "log", "HvdpError"]
+           "evaluate", "check_consistency", "save_checkpoint", "load_checkpoint", "log", "HvdpError",
+           "ElasticState", "elastic_run"]

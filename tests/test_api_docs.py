@@ -53,7 +53,8 @@ COLLECTIVES = {
                         "check_consistency", "check_finite", "save_checkpoint", "load_checkpoint", "preempted",
                         "DistributedGradientTape.gradient", "DistributedOptimizer.apply",
                         "DistributedOptimizer.flush"},
-    "hvdp.keras": {"init", "callbacks", "shard", "barrier", "average", "broadcast", "check_finite"},
+    "hvdp.keras": {"init", "callbacks", "shard", "barrier", "average", "broadcast", "check_finite", "elastic_run",
+                   "ElasticState.sync", "ElasticState.fit"},
 }
 
 # Public-looking names defined in a module that are deliberately not part of its API.

@@ -19,10 +19,12 @@ from hvdp.tensorflow.tracking import watched
 
 
 class ShardPosition:
-    """Where a shard's next iteration starts: `epoch` and the batch `step` within it.
+    """Where a shard's next iteration starts: `epoch`, the `offset` (samples of its order trained on before,
+    by a world of any size) and the batch `step` from there.
 
     Each iteration of the dataset takes the current position and moves to the start of the next epoch,
-    so the order advances by itself; set() moves it (resume, or hvdp.keras following fit's epoch).
+    so the order advances by itself; set() moves it (resume, or hvdp.keras following fit's epoch). Each
+    iteration reads `plan` anew: an elastic reset replaces it with the new world's (hvdp.keras_elastic).
 
     Args:
         plan: the hvdp.core.sharding.ShardPlan of this rank (the `plan` attribute).
@@ -34,16 +36,18 @@ class ShardPosition:
         self.plan = plan
         self.epoch = 0
         self.step = 0
+        self.offset = 0
         self.passes = passes  # backward passes per optimizer step that the gradient weights assume
 
-    def set(self, epoch: int, step: int = 0) -> None:
-        """Make the next iteration run `epoch` from batch `step` (default 0: the epoch's start)."""
-        self.epoch, self.step = int(epoch), int(step)
+    def set(self, epoch: int, step: int = 0, offset: int = 0) -> None:
+        """Make the next iteration run `epoch` from batch `step` (default 0) counted from `offset` samples
+        into its order (default 0: the epoch's start)."""
+        self.epoch, self.step, self.offset = int(epoch), int(step), int(offset)
 
-    def _begin(self) -> tuple[int, int]:
-        epoch, step = self.epoch, self.step
-        self.epoch, self.step = epoch + 1, 0
-        return epoch, step
+    def _begin(self) -> tuple[ShardPlan, int, int, int]:
+        begun = self.plan, self.epoch, self.step, self.offset
+        self.epoch, self.step, self.offset = self.epoch + 1, 0, 0
+        return begun
 
 
 def _as_arrays(data) -> tuple[np.ndarray, ...]:
@@ -192,14 +196,16 @@ def _shard(data, *, batch_size, shuffle, seed, drop_last, map, num_parallel_call
     def epoch_indices():
         # One Python call per epoch: the rest is tf.data's. Every batch but the last of an epoch has
         # batch_size samples, so batching the rank's index stream again gives back its batches.
-        epoch, start = position._begin()
-        batches = list(plan.batches(epoch, start))
+        plan, epoch, start, offset = position._begin()
+        batches = list(plan.batches(epoch, start, offset))
         idx = np.concatenate(batches) if batches else np.zeros(0, np.int64)
         if not weights:
             yield idx
             return
-        # Steps counted from the epoch's start (offset 0), so a resumed epoch groups its passes as before.
-        yield idx, np.concatenate([np.full(len(b), plan.gradient_weight(start + i, 0, position.passes), np.float32)
+        # Steps counted from `offset` (0 but after an elastic resize), so a resumed epoch groups its passes
+        # as before.
+        yield idx, np.concatenate([np.full(len(b), plan.gradient_weight(start + i, offset, position.passes),
+                                           np.float32)
                                    for i, b in enumerate(batches)] or [np.zeros(0, np.float32)])
 
     signature = tf.TensorSpec([None], tf.int64)

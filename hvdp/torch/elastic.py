@@ -4,7 +4,6 @@ worker) and elastic_run, Horovod's reset loop."""
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any, Callable
 
 import torch
@@ -20,7 +19,7 @@ from hvdp.torch.streams import _StreamLoader
 from horovod.common.elastic import ObjectState  # noqa: E402,I001  (after runtime's import_horovod: its clear error)
 
 
-class ElasticState(ObjectState):
+class ElasticState(_horovod.CopiedExtras, ObjectState):
     """What an elastic job keeps across a lost or added worker: model, optimizer, data position, extras.
 
         state = hvdp_torch.ElasticState(model, optimizer, loader, best=0.0)
@@ -143,9 +142,4 @@ def elastic_run(train: Callable) -> Callable:
     Returns:
         The wrapped function (Horovod's hvd.elastic.run).
     """
-    @functools.wraps(train)
-    def synced(state, *args, **kwargs):
-        _horovod.entered_elastic_world()  # from here collectives (evaluate, checkpoints) span every rank
-        return train(state, *args, **kwargs)
-
-    return hvd.elastic.run(synced)
+    return hvd.elastic.run(_horovod.elastic_body(train))

@@ -745,7 +745,7 @@ def elastic_state_commit_restore_sync(tmp):
     expect(ConfigError, lambda: ht.ElasticState(model, plain, loader), "optimizer returned by hvdp.torch.prepare()")
     expect(ConfigError, lambda: ht.ElasticState(model, opt, [1, 2]), "DataLoader returned by hvdp.torch.shard()")
     expect(ConfigError, lambda: ht.ElasticState(model, opt, loader, epoch=3), "`epoch` is kept by ElasticState")
-    state = ht.ElasticState(model, opt, loader, best=0.0)
+    state = ht.ElasticState(model, opt, loader, best=0.0, history=[])
     state.sync()  # what elastic_run does first: rank 0's model everywhere (prepare skips its broadcast only
     ht.check_consistency(model)  # under HOROVOD_ELASTIC, so here the model was already identical)
     lr = opt.param_groups[0]["lr"]
@@ -761,14 +761,20 @@ def elastic_state_commit_restore_sync(tmp):
 
     steps(2)
     state.best = 0.5
+    state.history.append("step 2")  # an extra changed in place: ObjectState kept only a reference to it
     state.commit()
     committed = copy.deepcopy(model.state_dict())
     assert state.epoch == 0 and loader.batch_sampler.position() == (0, 2 * plan.global_batch)
     steps(3)
     state.best = 0.9
+    state.history.append("step 5")  # rolled back with the steps it records, or they would count twice
     assert loader.batch_sampler.position() == (0, 5 * plan.global_batch)
     state.restore()
     assert state.best == 0.5 and opt.hvdp_schedule.step == 2
+    assert state.history == ["step 2"], f"an extra changed in place after a commit was not rolled back: {state.history}"
+    state.history.append("again")
+    state.restore()  # the restored value is a copy: changing it leaves the commit as it was
+    assert state.history == ["step 2"], state.history
     assert all(torch.equal(committed[k], v) for k, v in model.state_dict().items()), "model not rolled back"
     first = next(iter(loader))[1]
     expected = _data()[plan.batch(0, 2)][1]
