@@ -21,7 +21,7 @@ Backends: TensorFlow, and PyTorch (KERAS_BACKEND=torch): there init() initialise
 hvdp.torch.init) and never horovod.tensorflow, the optimizer averages the torch gradients fit hands it with
 horovod.torch, and the broadcast, metrics, evaluate, log, checkpoints, SyncBatchNormalization and the
 functions called by hand (average, barrier, broadcast, check_finite, check_consistency) go through it too
-(hvdp/_keras_backend.py chooses). Not there yet: backward_passes_per_step > 1 (a ConfigError). Any other
+(hvdp/_keras_backend.py chooses); backward_passes_per_step > 1 accumulates eagerly there. Any other
 backend is a ConfigError at init(). docs/tensorflow-keras.md#keras-on-the-pytorch-backend says what was tested.
 
 Elastic fit (TensorFlow backend): ElasticState and elastic_run, from hvdp/keras_elastic.py (docs/elastic.md).

@@ -195,10 +195,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             raise ConfigError("the wrapped optimizer has gradient_accumulation_steps set; use "
                               "backward_passes_per_step of DistributedOptimizer instead (it all-reduces once "
                               "per optimizer step)")
-        if backward_passes_per_step > 1 and _keras_backend.on_torch():
-            raise ConfigError(f"backward_passes_per_step={backward_passes_per_step} is not supported on Keras's torch "
-                              f"backend yet (its accumulation runs as TensorFlow ops); use 1 there, or "
-                              f"KERAS_BACKEND=tensorflow")
         w = _keras_backend.ensure_init()
         super().__init__(learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
         self.inner_optimizer = optimizer
@@ -264,7 +260,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         index = [self._get_variable_index(v) for v in variables]
         accs = [self._accumulators[i] for i in index]
         self._no_gradient = {i for i, g in zip(index, grads) if g is None}  # for flush(); fixed when traced
-        summed = [None if g is None else a + tf.cast(g, a.dtype) for g, a in zip(grads, accs)]
+        summed = [None if g is None else a + keras.ops.cast(g, a.dtype) for g, a in zip(grads, accs)]
         passes = self._passes.assign_add(1)
 
         def step():
@@ -272,16 +268,19 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                                                           compression=self.compression)
             self.inner_optimizer.apply(averaged, variables)
             for a in accs:
-                a.assign(tf.zeros_like(a))
-            return tf.constant(True)
+                a.assign(keras.ops.zeros_like(a))
+            return True
 
         def accumulate():
             for a, s in zip(accs, summed):
                 if s is not None:
                     a.assign(s)
-            return tf.constant(False)
+            return False
 
-        tf.cond(tf.equal(passes % k, 0), step, accumulate)
+        if _keras_backend.on_torch():  # fit's step runs eagerly there: the counter is read as a number
+            step() if int(keras.ops.convert_to_numpy(self._passes)) % k == 0 else accumulate()
+        else:  # inside fit's compiled step: a graph conditional
+            tf.cond(tf.equal(passes % k, 0), lambda: tf.constant(step()), lambda: tf.constant(accumulate()))
 
     def flush(self) -> bool:
         """Apply the passes accumulated since the last step as one step now: an epoch's short last step.
@@ -296,14 +295,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             Whether a step was applied (False with k == 1 or nothing accumulated).
         """
         k = self.backward_passes_per_step
-        if k == 1 or not self.built or int(self._passes.numpy()) % k == 0:
+        if k == 1 or not self.built or int(keras.ops.convert_to_numpy(self._passes)) % k == 0:
             return False
         skip = getattr(self, "_no_gradient", set())
         summed = [None if i in skip else a / k for i, a in enumerate(self._accumulators)]
         self.inner_optimizer.apply(_keras_backend.allreduce_gradients(summed, compression=self.compression),
                                    self._trainable_variables)
         for a in self._accumulators:
-            a.assign(tf.zeros_like(a))
+            a.assign(keras.ops.zeros_like(a))
         self._passes.assign(0)
         return True
 

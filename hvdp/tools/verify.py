@@ -12,8 +12,7 @@ through the allreduce path beside it: the sharded run must meet the same toleran
 --amp fp16 both use a GradScaler, whose skip decisions the sharded optimizer makes agree across the ranks.
 
 `--framework keras --keras-backend torch` runs hvdp.keras's model.fit on Keras's PyTorch backend (gradients through
-horovod.torch), the one-process reference on the same backend; --accumulate > 1 is refused there (hvdp.keras does
-not accumulate on torch yet).
+horovod.torch), the one-process reference on the same backend.
 """
 
 from __future__ import annotations
@@ -124,12 +123,6 @@ def run(args) -> int:
             return 2
     if args.keras_backend is not None and args.framework != "keras":
         print(f"hvdp verify: --keras-backend is for --framework keras only, got --framework {args.framework}",
-              file=sys.stderr)
-        return 2
-    if args.keras_backend == "torch" and args.accumulate > 1:
-        print(f"hvdp verify: --accumulate {args.accumulate} is not supported with --keras-backend torch: "
-              f"hvdp.keras.DistributedOptimizer refuses backward_passes_per_step > 1 on Keras's torch backend (its "
-              f"accumulation runs as TensorFlow ops); use --accumulate 1, or --keras-backend tensorflow",
               file=sys.stderr)
         return 2
     if args.sharded and args.clip is None:
