@@ -69,19 +69,42 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     assert "hvdp_vs_ddp" in proc.stdout
     assert "tensorflow training throughput" in proc.stdout
     gpt = report["training_gpt"]  # the transformer: with --quick its bf16-autocast eager variant only
-    assert gpt["framework"] == "torch" and set(gpt["models"]) == {"gpt-bf16"}
+    assert gpt["framework"] == "torch" and set(gpt["models"]) == {"gpt-bf16"} and gpt["optimizer"] == "adamw"
     rates = gpt["models"]["gpt-bf16"]["samples_per_sec_per_rank"]
-    assert set(rates) == {"hvdp", "horovod", "ddp"} and all(v > 0 for v in rates.values())
+    sharded_impls = {"hvdp", "ddp", "hvdp-sharded", "ddp-zero"}  # issue 34: in the same rotation, 3 turns each
+    assert set(rates) == sharded_impls | {"horovod"} and all(v > 0 for v in rates.values())
+    assert all(len(gpt["models"]["gpt-bf16"]["rounds_per_rank"][i]) == 3 for i in sharded_impls)
+    memory = gpt["models"]["gpt-bf16"]["memory"]  # rank 0's, measured: the tensors that exist after a step
+    assert set(memory) == sharded_impls | {"horovod", "alone", "independent"}
+    assert all(set(m) >= {"optimizer_state_bytes", "gradient_bytes", "peak_rss_rise_bytes", "anon_rise_bytes"}
+               and m["peak_rss_rise_bytes"] > 0 for m in memory.values()), memory
+    from benchmarks import models  # torch: imported here, not when the file is collected
+    adamw = 2 * 4 * models.parameters("gpt")  # exp_avg and exp_avg_sq in fp32, one step scalar per tensor
+    assert adamw <= memory["hvdp"]["optimizer_state_bytes"] < adamw + 4096, memory["hvdp"]
+    assert memory["ddp"]["optimizer_state_bytes"] == memory["hvdp"]["optimizer_state_bytes"]
+    assert memory["hvdp"]["gradient_bytes"] == memory["ddp"]["gradient_bytes"] == 4 * models.parameters("gpt")
+    sharded = gpt["models"]["gpt-bf16"]["sharded"]  # deterministic: the shard holds 1/N of the elements' state
+    assert sharded["state_bytes_bound"] == 1 / 2 + 0.05 and sharded["state_bytes_met"] is True, sharded
+    assert sharded["state_bytes_ratio"]["hvdp-sharded/hvdp"] == (memory["hvdp-sharded"]["optimizer_state_bytes"]
+                                                                 / memory["hvdp"]["optimizer_state_bytes"])
+    # 1/2 of the elements' moments (rank 0 holds one more per odd bucket), one step count per bucket, not per tensor
+    assert abs(sharded["state_bytes_ratio"]["hvdp-sharded/hvdp"] - 0.5) < 0.001, sharded
+    assert abs(sharded["gradient_bytes_ratio"]["hvdp-sharded/hvdp"] - 0.5) < 0.001, sharded  # ZeRO-2
+    assert sharded["gradient_bytes_ratio"]["ddp-zero/ddp"] == 1.0  # ZeRO-1: DDP keeps every gradient
+    assert 0 < sharded["state_bytes_ratio"]["ddp-zero/ddp"] < 1, sharded
+    assert set(sharded["throughput"]) == {"hvdp_sharded_vs_hvdp", "hvdp_sharded_vs_ddp_zero"}
+    assert all(r["met"] == (r["ratio"] >= r["least"]) for r in sharded["throughput"].values()), sharded
+    assert "optimizer state hvdp-sharded/hvdp = 0.50" in proc.stdout and "hvdp_sharded_vs_ddp_zero = " in proc.stdout
     gpt_rounds = gpt["models"]["gpt-bf16"]["rounds_per_rank"]
     assert gpt["models"]["gpt-bf16"]["ratios"]["hvdp_vs_ddp"] == statistics.median(
         a / b for a, b in zip(gpt_rounds["hvdp"], gpt_rounds["ddp"]))
     cpu = gpt["models"]["gpt-bf16"]["cpu_by_thread"]  # per kind of thread, rank 0's cores busy in its turns
-    assert set(cpu) == {"hvdp", "horovod", "ddp", "alone", "independent"} and cpu["hvdp"]["main"] > 0.3, cpu
+    assert set(cpu) == sharded_impls | {"horovod", "alone", "independent"} and cpu["hvdp"]["main"] > 0.3, cpu
     assert cpu["hvdp"].get("engine", 0) > 0 and "engine" not in cpu["ddp"] and "engine" not in cpu["alone"], cpu
-    assert "torch GPT-style transformer training throughput" in proc.stdout
+    assert "torch GPT-style transformer (adamw) training throughput" in proc.stdout
     for framework in ("torch", "tensorflow"):  # hvdp's sharded input pipeline against a hand-written one
         pipeline = report["pipeline"][framework]
-        assert pipeline["samples"] == 4000 and set(pipeline["by_np"]) == {"1", "2"}
+        assert pipeline["samples"] == 2000 and set(pipeline["by_np"]) == {"1", "2"}
         for m in pipeline["by_np"].values():
             rates = m["samples_per_sec_per_rank"]
             impls = {"hvdp", "hand", "hvdp-fork"} if framework == "torch" else {"hvdp", "hand"}  # fork: as before #36
@@ -152,3 +175,31 @@ def test_bench_rejects_bad_arguments(args, message):
     proc = subprocess.run([str(BIN / "hvdp"), "bench", *args], capture_output=True, text=True, cwd=ROOT, env=env(),
                           timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_memory_counts_each_storage_once_and_the_peak_from_the_start():
+    """benchmarks/memory.py, in-process: AdamW's state and the gradients of a model whose output layer shares
+    the embedding (one parameter reached twice: from the model and from the optimizer), each storage counted
+    once; the peak RSS rise is this run's, not an earlier peak of the process (VmHWM reset at the start)."""
+    import torch
+
+    from benchmarks import memory
+
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 1000, bias=False))
+    model[1].weight = model[0].weight  # tied, as the GPT's head
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert memory.held(model, optimizer) == {"optimizer_state_bytes": 0, "gradient_bytes": 0}
+    model(torch.randint(0, 1000, (8,))).sum().backward()
+    optimizer.step()
+    numel = 1000 * 64
+    assert memory.held(model, optimizer) == {"optimizer_state_bytes": 2 * 4 * numel + 4,  # 2 moments, the step
+                                             "gradient_bytes": 4 * numel}
+    # sizes above glibc's largest mmap threshold (32 MiB): fresh pages, whatever this process freed before
+    earlier = torch.ones(128 << 20, dtype=torch.uint8)  # an earlier 128 MiB peak, freed before the run starts
+    del earlier
+    rise = memory.Rise(torch.device("cpu"))
+    held = torch.ones(48 << 20, dtype=torch.uint8)  # 48 MiB, touched
+    report = rise.report()
+    assert report["peak_reset"] and 48 << 20 <= report["peak_rss_rise_bytes"] < 80 << 20, report
+    assert 48 << 20 <= report["anon_rise_bytes"] < 80 << 20, report
+    del held

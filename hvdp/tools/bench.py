@@ -48,9 +48,20 @@ ALLREDUCE_IMPLS = ("hvdp-mpi", "horovod-mpi", "hvdp-gloo", "torch-gloo", "mpi4py
 # Today's typical model (benchmarks/models.py's GPT, ~10M parameters in 76 tensors), eager and compiled,
 # fp32 and bf16 autocast, against DDP and raw Horovod (each compiled the way its users do); with --quick,
 # the bf16 eager one only. Steps per repetition: --steps, as the CNN's (a step takes about as long here).
+# Every implementation trains it with AdamW (Adam-like state, what sharding saves; SGD before issue 34), and
+# the eager variants' rotations hold two more: hvdp with its optimizer state sharded (ZeRO-1/2) and DDP with
+# torch's ZeroRedundancyOptimizer (ZeRO-1), each with its memory (benchmarks/memory.py) and issue 34's
+# targets (not the compiled ones: hvdp_torch.compile with sharded state is not tested yet).
 GPT = {"variants": ("gpt", "gpt-bf16", "gpt-compiled", "gpt-compiled-bf16"), "quick": ("gpt-bf16",),
-       "impls": ("hvdp", "horovod", "ddp"),
-       "ratios": {"hvdp_vs_ddp": ("hvdp", "ddp"), "hvdp_vs_horovod": ("hvdp", "horovod")}}
+       "impls": ("hvdp", "horovod", "ddp"), "optimizer": "adamw",
+       "ratios": {"hvdp_vs_ddp": ("hvdp", "ddp"), "hvdp_vs_horovod": ("hvdp", "horovod")},
+       "sharded_impls": ("hvdp-sharded", "ddp-zero"),
+       "sharded_ratios": {"hvdp_sharded_vs_hvdp": ("hvdp-sharded", "hvdp"),
+                          "hvdp_sharded_vs_ddp_zero": ("hvdp-sharded", "ddp-zero")}}
+# Issue 34's targets at np=2: a sharded rank's optimizer state at most 1/N + 5% of the unsharded one's, and its
+# samples/s at least these times the other's (ratio name -> the least).
+SHARDED_STATE_SLACK = 0.05
+SHARDED_THROUGHPUT = {"hvdp_sharded_vs_hvdp": 0.9, "hvdp_sharded_vs_ddp_zero": 1.0}
 
 
 def add_arguments(parser) -> None:
@@ -86,7 +97,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--skip-pipeline", action="store_true",
                         help="skip the input-pipeline throughput (hvdp's sharded pipelines against hand-written ones)")
     parser.add_argument("--skip-gpt", action="store_true",
-                        help="skip the GPT-style transformer (eager and compiled, fp32 and bf16; torch only)")
+                        help="skip the GPT-style transformer (eager and compiled, fp32 and bf16, AdamW; with hvdp's "
+                             "sharded optimizer state and DDP's ZeroRedundancyOptimizer beside; torch only)")
     parser.add_argument("--skip-training", action="store_true",
                         help="measure the all-reduce bandwidth only (every impl, side by side, against memcpy)")
 
@@ -99,7 +111,7 @@ def _launch(impl: str, np_: int, script: str, args: list[str], env: dict, autotu
     worker = [sys.executable, str(BENCH_DIR / script), *args]
     if impl == "alone":
         return worker
-    if impl in ("ddp", "torch-gloo"):
+    if impl in ("ddp", "ddp-zero", "torch-gloo"):
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={np_}", *worker[1:]]
     if impl == "mpi4py":
         root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
@@ -269,6 +281,10 @@ def _summary(rounds_of: dict[str, list[list[dict]]], impls: list[str], ratios: d
                   for kind in sorted({k for r in per_round for k in r[0]["cpu_by_thread"]})}
            for name, per_round in rounds_of.items() if "cpu_by_thread" in per_round[0][0]}
 
+    # rank 0's memory (benchmarks/memory.py): each figure's largest over the rounds (the peak only grows)
+    memory = {name: {key: max(r[0]["memory"][key] for r in per_round) for key in per_round[0][0]["memory"]}
+              for name, per_round in rounds_of.items() if "memory" in per_round[0][0]}
+
     per_rank = {impl: statistics.median(runs[impl]) for impl in impls}
     alone, ceiling = statistics.median(runs["alone"]), statistics.median(runs["independent"])
     per_round = {name: [x / y for x, y in zip(runs[a], runs[b])] for name, (a, b) in ratios.items()}
@@ -291,13 +307,30 @@ def _summary(rounds_of: dict[str, list[list[dict]]], impls: list[str], ratios: d
         "ratio_intervals": {name: [lo, hi] for name, (lo, hi, _) in intervals.items()},
         "cpu_by_thread": cpu,  # torch: benchmarks/cputhreads.py's kinds, cores busy while a repetition ran
         "interval_coverage": min(c for _, _, c in intervals.values()),
+        **({"memory": memory} if memory else {}),  # torch: rank 0's, after each repetition
     }
+
+
+def sharded_targets(m: dict, np_: int) -> dict:
+    """Issue 34's targets on one GPT variant's results (_summary's, with hvdp-sharded and ddp-zero): the
+    optimizer-state and gradient bytes of each sharded implementation over its unsharded one (rank 0's), the
+    state's bound (1/N + 5%), and the throughput ratios (median of rounds, its interval) against their least."""
+    mem, bound = m["memory"], 1 / np_ + SHARDED_STATE_SLACK
+    pairs = {"hvdp-sharded/hvdp": ("hvdp-sharded", "hvdp"), "ddp-zero/ddp": ("ddp-zero", "ddp")}
+    state = {k: mem[a]["optimizer_state_bytes"] / mem[b]["optimizer_state_bytes"] for k, (a, b) in pairs.items()}
+    return {"state_bytes_ratio": state, "state_bytes_bound": bound,
+            "state_bytes_met": state["hvdp-sharded/hvdp"] <= bound,
+            "gradient_bytes_ratio": {k: mem[a]["gradient_bytes"] / mem[b]["gradient_bytes"]
+                                     for k, (a, b) in pairs.items()},
+            "throughput": {name: {"ratio": m["ratios"][name], "interval": m["ratio_intervals"][name],
+                                  "least": least, "met": m["ratios"][name] >= least}
+                           for name, least in SHARDED_THROUGHPUT.items()}}
 
 
 def _pipeline(framework: str, args, rounds: int, raw_env: dict) -> dict:
     """Input-pipeline samples/s per rank of hvdp's sharded pipeline and the hand-written one, alone and at np,
     on files the worker writes once into a temporary directory (removed after)."""
-    samples, reps = (4000, rounds) if args.quick else (20000, 3 * rounds)
+    samples, reps = (2000, rounds) if args.quick else (20000, 3 * rounds)
     with tempfile.TemporaryDirectory(prefix=f"hvdp-bench-{framework}-") as directory:
         out = {}
         for np_ in (1, args.np):
@@ -347,7 +380,10 @@ def run(args) -> int:
     if n_steps < 1:
         print(f"hvdp bench: --steps must be >= 1, got {n_steps}", file=sys.stderr)
         return 2
-    steps = ["--warmup", "3" if args.quick else "10", "--steps", str(n_steps)]
+    # a warm-up turn of 3 steps (10 without --quick), no more than a repetition's: a warm-up longer than the
+    # timed steps only costs time (make test's --steps 2)
+    warmup = str(min(3 if args.quick else 10, n_steps))
+    steps = ["--warmup", warmup, "--steps", str(n_steps)]
     base_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH_DIR.parent), os.environ.get("PYTHONPATH", "")]),
                     PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS=str(args.threads),
                     KERAS_BACKEND="tensorflow")  # whatever the caller's says; keras-torch's jobs set torch
@@ -380,12 +416,19 @@ def run(args) -> int:
 
     if "torch" in frameworks and not (args.skip_training or args.skip_gpt):
         gpt_steps = n_steps
-        gpt_args = ["--warmup", "3", "--steps", str(gpt_steps)]
-        report["training_gpt"] = {"framework": "torch", "label": "torch GPT-style transformer", "np": args.np,
-                                  "threads": args.threads, "steps_per_repetition": gpt_steps,
-                                  "models": {v: _train("torch", v, args, rounds, gpt_args, raw_env, GPT["impls"],
-                                                       GPT["ratios"])
-                                             for v in GPT["quick" if args.quick else "variants"]}}
+        gpt_args = ["--warmup", str(min(3, gpt_steps)), "--steps", str(gpt_steps), "--optimizer", GPT["optimizer"]]
+        report["training_gpt"] = {"framework": "torch", "label": f"torch GPT-style transformer ({GPT['optimizer']})",
+                                  "np": args.np, "threads": args.threads, "steps_per_repetition": gpt_steps,
+                                  "optimizer": GPT["optimizer"],
+                                  "models": {}}
+        for v in GPT["quick" if args.quick else "variants"]:
+            sharded = "compiled" not in v
+            m = _train("torch", v, args, rounds, gpt_args, raw_env,
+                       GPT["impls"] + (GPT["sharded_impls"] if sharded else ()),
+                       {**GPT["ratios"], **(GPT["sharded_ratios"] if sharded else {})})
+            if sharded:
+                m["sharded"] = sharded_targets(m, args.np)
+            report["training_gpt"]["models"][v] = m
 
     for framework in ([] if args.skip_pipeline else frameworks):
         report.setdefault("pipeline", {})[framework] = _pipeline(framework, args, other_rounds, raw_env)
@@ -466,6 +509,8 @@ def _print(report: dict) -> None:
                 low, high = m["ratio_intervals"][name]
                 print(f"    {name} = {value:.3f}  [{low:.3f}, {high:.3f}] at {m['interval_coverage']:.0%} "
                       f"(rounds: {rounds})")
+            if "sharded" in m:
+                _print_sharded(model, m, t["np"])
     for framework, p in report.get("pipeline", {}).items():
         print(f"\n{framework} input pipeline, {p['samples']} files' samples (samples/s per rank, median; hvdp's "
               f"shard against the hand-written pipeline)")
@@ -497,6 +542,30 @@ def _print(report: dict) -> None:
             print("  " + impl.ljust(12) + "".join(
                 f"{_human(int(n)):>6} {us:7.0f}" + (f" ({a['latency_vs_mpi4py'][impl][n]:5.1f}x)"
                                                      if "latency_vs_mpi4py" in a else "") for n, us in by.items()))
+
+
+def _print_sharded(model: str, m: dict, np_: int) -> None:
+    """The sharded optimizer state's table: rank 0's memory per implementation, and issue 34's targets."""
+    mib = 1 << 20
+    print(f"  {model}: memory of rank 0, MiB (state and gradients: the tensors that exist after a step; peak RSS "
+          f"rise: the resident set's peak over the run above it before the optimizer; anon: RssAnon's rise at "
+          f"the end)")
+    print(f"    {'impl':<17} {'opt state':>9} {'grads':>8} {'peak RSS':>9} {'anon':>8} {'samples/s':>10}")
+    for impl, mem in m["memory"].items():
+        if impl in m["samples_per_sec_per_rank"]:
+            print(f"    {impl:<17} {mem['optimizer_state_bytes'] / mib:9.1f} {mem['gradient_bytes'] / mib:8.1f} "
+                  f"{mem['peak_rss_rise_bytes'] / mib:9.1f} {mem['anon_rise_bytes'] / mib:8.1f} "
+                  f"{m['samples_per_sec_per_rank'][impl]:10.0f}")
+    s = m["sharded"]
+    ratio = s["state_bytes_ratio"]
+    print(f"    optimizer state hvdp-sharded/hvdp = {ratio['hvdp-sharded/hvdp']:.3f} (target <= 1/{np_} + 5% = "
+          f"{s['state_bytes_bound']:.3f}: {'met' if s['state_bytes_met'] else 'NOT met'}); ddp-zero/ddp = "
+          f"{ratio['ddp-zero/ddp']:.3f}; gradients hvdp-sharded/hvdp = "
+          f"{s['gradient_bytes_ratio']['hvdp-sharded/hvdp']:.3f}, ddp-zero/ddp = "
+          f"{s['gradient_bytes_ratio']['ddp-zero/ddp']:.3f}")
+    for name, r in s["throughput"].items():
+        print(f"    {name} = {r['ratio']:.3f} [{r['interval'][0]:.3f}, {r['interval'][1]:.3f}] (target >= "
+              f"{r['least']}: {'met' if r['met'] else 'NOT met'})")
 
 
 def _human(n: int) -> str:
