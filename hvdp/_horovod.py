@@ -539,16 +539,22 @@ def read_checkpoint_on_root(hvd, directory, read, ops: ArrayOps, into: Callable 
     return outcome.get("payload")
 
 
-def save_on_root(hvd, directory, name: str, write: Callable, keep: int):
+def save_on_root(hvd, directory, name: str, write: Callable, keep: int, before_outcome: Callable | None = None):
     """Rank 0 writes `directory`/`name` atomically with `write(fileobj)` and keeps the newest `keep`; every
     rank returns together (the path on rank 0, None elsewhere) or raises the same CheckpointError naming the
     path, the OS error and the rank (read-only directory, disk full). Every rank must call it; `write` is
-    only called on rank 0."""
+    only called on rank 0. `before_outcome()`, on rank 0, runs after the write (or its failure, whether or not
+    `write` was called) and before the outcome is broadcast: where `write` runs collectives with the other
+    ranks, it tells them when it never ran, so that none is left waiting for it."""
     outcome: dict = {}
     if hvd.rank() == 0:
         path = Path(directory) / name
         try:
-            ckpt.write_atomic(path, write)
+            try:
+                ckpt.write_atomic(path, write)
+            finally:
+                if before_outcome is not None:
+                    before_outcome()
         except Exception as e:  # noqa: BLE001 - whatever failed, every rank must hear of it
             outcome = {"error": f"cannot write checkpoint {path} on rank 0: {type(e).__name__}: {e}. Nothing was "
                                 f"replaced: the older checkpoints are intact. Check that the directory is writable "

@@ -9,7 +9,10 @@ exists only for it); the updated slices are all-gathered back into the model's p
 
 The checkpoint format stays the unsharded one: consolidation gathers the state bucket by bucket and splits it
 into per-parameter tensors (torch's state_dict layout), and load_state_dict() takes that layout and keeps this
-rank's slice, so a checkpoint resumes at any world size, sharded or not.
+rank's slice, so a checkpoint resumes at any world size, sharded or not. For checkpoints, both directions
+stream: state_skeleton() + gather_state() hand rank 0 one gathered bucket at a time (save_checkpoint writes
+each into the file), and load_streamed() receives one broadcast bucket at a time from rank 0's mapping of the
+file, so that no rank ever holds the whole state.
 """
 
 from __future__ import annotations
@@ -30,6 +33,16 @@ BUCKET_BYTES = 32 * 2**20  # per bucket: the unit of the reduce-scatter, the all
 # Per-parameter state that is one value, not one per element (Adam's step, ASGD's eta and mu): for a 0-dim
 # parameter the shapes alone cannot tell.
 _SCALAR_KEYS = frozenset({"step", "eta", "mu"})
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """Stands for a per-element state tensor that load_checkpoint leaves on rank 0 (memory-mapped from the
+    file) instead of broadcasting it whole: load_streamed() sends it bucket by bucket. Picklable, so that it
+    travels in the broadcast skeleton."""
+
+    shape: tuple
+    dtype: torch.dtype
 
 
 def split(numel: int, size: int) -> list[tuple[int, int]]:
@@ -111,6 +124,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._inner, self.hvdp_schedule = optimizer, schedule
         self._op, self._compression = op, compression
         self._rank, self._size = hvd.rank(), hvd.size()
+        # Horovod's Gloo reducescatter (gloo::ReduceScatterHalvingDoubling) leaves the Gloo transport slow for
+        # what follows it: after one of 1,000 floats, np=2, an allgather of 7.8 MB took 9.3 s and a broadcast
+        # 5.1 s (20 ms and 9 ms before it). Under Gloo the gradients are all-reduced in place instead and each
+        # rank keeps its slice: Gloo's ring all-reduce is a reduce-scatter and an all-gather, so twice the
+        # bytes, and the same values as the allreduce path (docs/pytorch.md#sharded-optimizer-state-zero-12).
+        self._gloo = self._size > 1 and hvd.gloo_enabled()
         self._groups = [list(g["params"]) for g in optimizer.param_groups]
         self._names = [g.pop("param_names", None) for g in optimizer.param_groups]
         existing = optimizer.state_dict() if optimizer.state else None
@@ -166,7 +185,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Start bucket i's reduce-scatter; free the model's full gradients it was copied from (ZeRO-2)."""
         b = self._buckets[i]
         sent, ctx = self._compression.compress(self._flat(b, lambda p: p.grad, 0, b.numel))
-        self._pending[i] = (hvd.reducescatter_async(sent, name=f"hvdp.zero.grad.{i}", op=self._op), ctx)
+        if self._gloo:  # in place, each rank keeping its slice in synchronize(): see __init__
+            handle = hvd.allreduce_async_(sent, name=f"hvdp.zero.grad.{i}", op=self._op)
+        else:
+            handle = hvd.reducescatter_async(sent, name=f"hvdp.zero.grad.{i}", op=self._op)
+        self._pending[i] = (handle, ctx)
         for piece in b.pieces:
             piece.param.grad = None
 
@@ -184,7 +207,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._reduce(i)
         for i, b in enumerate(self._buckets):
             handle, ctx = self._pending.pop(i)
-            b.shard.grad = self._compression.decompress(hvd.synchronize(handle), ctx).to(b.dtype)
+            reduced = hvd.synchronize(handle)
+            if self._gloo:
+                start, length = b.slices[self._rank]
+                reduced = reduced[start:start + length].clone()  # the bucket's full copy is freed
+            b.shard.grad = self._compression.decompress(reduced, ctx).to(b.dtype)
         self._agree_on_non_finite()
         self._counts.clear()
         self._missing = [len(b.pieces) for b in self._buckets]
@@ -279,9 +306,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if b.shard.numel() == 0 and b.shard.grad is not None and b.shard.grad.numel():
                 b.shard.grad = b.shard.grad[:0]
         with torch.no_grad():  # the model may have been loaded or changed since the last step: its values rule
-            for b in self._buckets:
-                start, length = b.slices[self._rank]
-                b.shard.copy_(self._flat(b, lambda p: p.detach(), start, start + length))
+            for b in self._buckets:  # piece by piece into the shard: no flat copy of it on the way
+                start, _ = b.slices[self._rank]
+                flat = b.shard.view(-1)
+                for piece, lo, hi in b.overlaps(start, start + b.shard.numel()):
+                    at = piece.offset + lo - start
+                    flat[at:at + hi - lo].copy_(piece.param.detach().reshape(-1)[lo:hi])
         kept = [g["lr"] for g in self.param_groups]
         for g in self.param_groups:
             g["lr"] = s.rate(g["lr"], step=s.step)
@@ -297,13 +327,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         _horovod.progress(s.step, COMPUTING)
 
     def _gather_parameters(self) -> None:
-        handles = [hvd.allgather_async(b.shard.detach(), name=f"hvdp.zero.param.{i}")
-                   for i, b in enumerate(self._buckets)]
+        """All-gather the updated shards into the model's parameters, one bucket at a time: each gathered bucket
+        is a transient copy of its parameters, and with every bucket's gather in flight at once (fused by
+        Horovod into one buffer as large) the step's peak held a second copy of the model: on hvdp bench's GPT
+        (AdamW, np=2, 2 buckets; glibc's mmap threshold fixed, so that RSS follows what is live) its peak RSS
+        rise was 293 MiB, 256 MiB one bucket at a time."""
         with torch.no_grad():
-            for b, handle in zip(self._buckets, handles):
-                full = hvd.synchronize(handle)
+            for i, b in enumerate(self._buckets):
+                full = hvd.allgather(b.shard.detach(), name=f"hvdp.zero.param.{i}")
                 for piece in b.pieces:
                     piece.param.copy_(full[piece.offset:piece.offset + piece.numel].view_as(piece.param))
+                del full
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients and the shard's (torch's zero_grad, on both).
@@ -346,35 +380,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 merged[k] = merged.get(k, False) or per_element
         return sorted(merged.items())
 
-    def gathered_state_dict(self, to: int = 0) -> dict | None:
-        """The full optimizer state in the unsharded layout (torch's state_dict of the original optimizer:
-        one entry per parameter index) on rank `to`, None on the others. Gathered bucket by bucket: a rank
-        holds one bucket's gathered state at a time besides what `to` builds. Every rank must call it.
+    def state_skeleton(self, to: int = 0) -> tuple[list, dict | None]:
+        """The first half of a streamed gather (save_checkpoint's): the state keys every rank agreed on, and on
+        rank `to` the full state_dict in the unsharded layout with each per-element tensor (exp_avg, momentum:
+        shaped as its parameter) an uninitialised placeholder of its shape and dtype, whose pages are never
+        touched (no memory) until gather_state() fills it or a writer puts its bytes elsewhere. None on the
+        other ranks. Every rank must call it (one allgather_object), then gather_state() with the keys.
 
         Args:
             to: the rank that receives the state (default 0).
+
+        Returns:
+            (keys, skeleton): keys as gather_state() takes them; skeleton on rank `to`, None elsewhere.
         """
         keys = self._state_keys()
-        state: dict = {}
-        for i, b in enumerate(self._buckets):
-            mine = self.state.get(b.shard, {})
-            for j, (key, per_element) in enumerate(keys):
-                if not per_element:
-                    if key in mine and self._rank == to:
-                        for piece in b.pieces:
-                            v = mine[key]
-                            state.setdefault(piece.index, {})[key] = v.clone() if torch.is_tensor(v) else v
-                    continue
-                local = mine.get(key)
-                if local is None:  # a bucket no rank has state for yet
-                    local = torch.zeros(b.shard.shape, dtype=b.dtype, device=b.shard.device)
-                full = hvd.allgather(local.detach(), name=f"hvdp.zero.state.{i}.{j}") if self._size > 1 else local
-                if self._rank == to and key in mine:
-                    for piece in b.pieces:
-                        state.setdefault(piece.index, {})[key] = \
-                            full[piece.offset:piece.offset + piece.numel].view_as(piece.param).clone()
         if self._rank != to:
-            return None
+            return keys, None
+        state: dict = {}
+        for b in self._buckets:
+            mine = self.state.get(b.shard, {})
+            for key, per_element in keys:
+                if key not in mine:
+                    continue
+                v = mine[key]
+                for piece in b.pieces:
+                    if per_element:  # an untouched allocation: its pages cost nothing until written
+                        placeholder = torch.UntypedStorage(piece.numel * v.element_size())
+                        value = torch.empty(0, dtype=v.dtype).set_(placeholder, 0, piece.param.shape)
+                    else:
+                        value = v.clone() if torch.is_tensor(v) else v
+                    state.setdefault(piece.index, {})[key] = value
         groups, index = [], 0
         for g, group in enumerate(self.param_groups):
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -383,7 +418,67 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 packed["param_names"] = list(self._names[g])
             index += len(self._groups[g])
             groups.append(packed)
-        return {"state": {k: state[k] for k in sorted(state)}, "param_groups": groups}
+        return keys, {"state": {k: state[k] for k in sorted(state)}, "param_groups": groups}
+
+    def gather_state(self, keys: list, put=None) -> None:
+        """The second half of a streamed gather: bucket by bucket and key by key, all-gather the per-element
+        state and, on the rank that passes `put`, call put(index, key, values) with each parameter's part
+        (a 1-D view into the gathered bucket, valid during the call only) where state_skeleton() put a
+        placeholder. A rank holds one bucket's gathered state at a time (the bound on the memory a streamed
+        gather adds: BUCKET_BYTES, or the largest parameter's state, a parameter being never split). Every rank
+        must call it, after state_skeleton(), with its keys.
+
+        Args:
+            keys: what state_skeleton() returned first.
+            put: called on the receiving rank (None on the others); whatever it raises propagates, leaving the
+                other ranks in the remaining collectives: catch it there and raise after this returns.
+        """
+        for i, b in enumerate(self._buckets):
+            mine = self.state.get(b.shard, {})
+            for j, (key, per_element) in enumerate(keys):
+                if not per_element:
+                    continue
+                local = mine.get(key)
+                if local is None:  # a bucket no rank has state for yet
+                    local = torch.zeros(b.shard.shape, dtype=b.dtype, device=b.shard.device)
+                full = hvd.allgather(local.detach(), name=f"hvdp.zero.state.{i}.{j}") if self._size > 1 else local
+                if put is not None and key in mine:
+                    for piece in b.pieces:
+                        put(piece.index, key, full[piece.offset:piece.offset + piece.numel])
+                del full
+
+    def gathered_state_dict(self, to: int = 0) -> dict | None:
+        """The full optimizer state in the unsharded layout (torch's state_dict of the original optimizer:
+        one entry per parameter index) on rank `to`, None on the others. Gathered bucket by bucket: a rank
+        holds one bucket's gathered state at a time besides what `to` builds (the whole state: save_checkpoint
+        streams it to the file instead, with state_skeleton() and gather_state()). Every rank must call it.
+
+        Args:
+            to: the rank that receives the state (default 0).
+        """
+        keys, skeleton = self.state_skeleton(to)
+
+        def put(index, key, values):
+            skeleton["state"][index][key] = values.view(skeleton["state"][index][key].shape).clone()
+
+        self.gather_state(keys, put if skeleton is not None else None)
+        return skeleton
+
+    def per_element(self, state_dict: dict) -> dict:
+        """Which tensors of a full state_dict (unsharded layout) load_state_dict() would slice: {(index, key):
+        tensor} for each per-element entry, by the rule load_state_dict applies (shaped as its parameter; for a
+        0-dim parameter, not a scalar key such as "step"). Empty when the param groups do not match (then
+        load_state_dict says why). No collective."""
+        saved = state_dict.get("param_groups", [])
+        if [len(g["params"]) for g in saved] != [len(p) for p in self._groups]:
+            return {}
+        out = {}
+        for group, ours in zip(saved, self._groups):
+            for idx, param in zip(group["params"], ours):
+                for k, v in (state_dict["state"].get(idx) or {}).items():
+                    if torch.is_tensor(v) and v.shape == param.shape and (param.dim() > 0 or k not in _SCALAR_KEYS):
+                        out[idx, k] = v
+        return out
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full state on rank `to` for the next state_dict() there (ZeroRedundancyOptimizer's API).
@@ -417,6 +512,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Raises:
             ConfigError: its param groups do not match the optimizer's (count or parameters per group).
         """
+        self._load(state_dict, None)
+
+    def load_streamed(self, state_dict: dict, source=None) -> None:
+        """load_state_dict() for a state whose per-element tensors stayed on rank 0 (load_checkpoint's): on
+        every rank, `state_dict` has a Streamed(shape, dtype) in place of each tensor per_element() names;
+        rank 0 passes `source(index, key)`, returning that tensor (memory-mapped from the file). Bucket by
+        bucket and key by key, rank 0 packs the bucket's flat state into one buffer, broadcasts it, and every
+        rank keeps its slice: a rank holds its shard plus one bucket's buffer (BUCKET_BYTES, or the largest
+        parameter's state), never the whole state. Every rank must call it, with the same `state_dict`.
+
+        Args:
+            state_dict: as load_state_dict() takes it, with Streamed entries (the same on every rank).
+            source: on rank 0, the function giving each Streamed entry's tensor; None elsewhere.
+
+        Raises:
+            ConfigError: its param groups do not match the optimizer's (on every rank: they all see the same).
+        """
+        self._load(state_dict, source)
+
+    def _load(self, state_dict: dict, source) -> None:
         saved = state_dict["param_groups"]
         if [len(g["params"]) for g in saved] != [len(p) for p in self._groups]:
             raise ConfigError(f"the optimizer state has param groups of {[len(g['params']) for g in saved]} "
@@ -424,27 +539,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
         by_index = {}
         for g, group in enumerate(saved):
             for pos, idx in enumerate(group["params"]):
-                by_index[(g, pos)] = state_dict["state"].get(idx)
-        order = {}  # a parameter's index in this optimizer -> its saved state
+                by_index[(g, pos)] = (idx, state_dict["state"].get(idx))
+        order = {}  # a parameter's index in this optimizer -> (its index in state_dict, its saved state)
         index = 0
         for g, params in enumerate(self._groups):
             for pos in range(len(params)):
                 order[index] = by_index[(g, pos)]
                 index += 1
         self.state.clear()
-        for b in self._buckets:
+        staging = []  # load_streamed's one buffer, reused bucket after bucket (a new one each time fragments the heap)
+        for i, b in enumerate(self._buckets):
             start, length = b.slices[self._rank]
-            states = [(p, order.get(p.index)) for p in b.pieces]
+            states = [(p, *order.get(p.index, (None, None))) for p in b.pieces]
             keys = {}
-            for p, st in states:
+            for p, _, st in states:
                 for k, v in (st or {}).items():
-                    per = (torch.is_tensor(v) and v.shape == p.param.shape
-                           and (p.param.dim() > 0 or k not in _SCALAR_KEYS))
+                    per = isinstance(v, Streamed) or (torch.is_tensor(v) and v.shape == p.param.shape
+                                                      and (p.param.dim() > 0 or k not in _SCALAR_KEYS))
                     keys.setdefault(k, (per, v))
             shard_state = {}
             for k, (per, first) in keys.items():
-                if per:
-                    values = {id(p.param): (st or {}).get(k) for p, st in states}
+                if per and isinstance(first, Streamed):
+                    shard_state[k] = self._receive(i, b, k, first.dtype, states, source, staging).to(b.shard.device)
+                elif per:
+                    values = {id(p.param): (st or {}).get(k) for p, _, st in states}
                     shard_state[k] = self._flat(b, lambda param: values[id(param)], start, start + length).to(
                         first.dtype).to(b.shard.device)
                 else:
@@ -453,3 +571,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.state[b.shard] = shard_state
         for group, values in zip(self.param_groups, saved):
             group.update({k: v for k, v in values.items() if k not in ("params", "param_names")})
+
+    def _receive(self, i: int, b: _Bucket, key: str, dtype: torch.dtype, states: list, source,
+                 staging: list) -> torch.Tensor:
+        """Bucket i's flat state `key`, packed on rank 0 from source(index, key) (zeros where a parameter has
+        none) and broadcast; returns a copy of this rank's slice. `staging` holds the buffer (a list of one
+        uint8 tensor), allocated for the largest bucket at the first call and reused."""
+        nbytes = b.numel * dtype.itemsize
+        if not staging or staging[0].numel() < nbytes:
+            staging[:] = [torch.empty(max(c.numel for c in self._buckets) * dtype.itemsize, dtype=torch.uint8)]
+        raw = staging[0][:nbytes]
+        buffer = raw.view(dtype)
+        if self._rank == 0:
+            for (p, idx, st) in states:
+                part = buffer[p.offset:p.offset + p.numel]
+                if isinstance((st or {}).get(key), Streamed):
+                    part.copy_(source(idx, key).reshape(-1))
+                else:
+                    part.zero_()
+        if self._size > 1:
+            hvd.broadcast_(raw, root_rank=0, name=f"hvdp.zero.load.{i}.{key}")
+        start, length = b.slices[self._rank]
+        return buffer[start:start + length].clone()

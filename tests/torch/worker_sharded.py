@@ -247,20 +247,22 @@ def reduce_scatter_overlaps_the_backward_pass(tmp):
                          shard_optimizer_state=True)
     finally:
         sharded.BUCKET_BYTES = DEFAULT_BUCKET
-    real, starts, seen = hvd.reducescatter_async, [], []
+    # the bucket's reduction: a reduce-scatter, or under Gloo an in-place all-reduce (sharded.py says why)
+    which = "allreduce_async_" if hvd.gloo_enabled() else "reducescatter_async"
+    real, starts, seen = getattr(hvd, which), [], []
 
     def counting(*args, **kwargs):
         starts.append(kwargs.get("name"))
         return real(*args, **kwargs)
     handle = model.a.weight.register_hook(lambda grad: seen.append(len(starts)))
-    hvd.reducescatter_async = counting
+    setattr(hvd, which, counting)
     try:
         x, y = _batch(0, world.size, 2)
         for k in range(2):
             F.mse_loss(model(x[k, world.rank]), y[k, world.rank]).backward()
         opt.step()
     finally:
-        hvd.reducescatter_async = real
+        setattr(hvd, which, real)
         handle.remove()
     buckets = len(opt._buckets)
     assert buckets == 4 and seen[0] == 0 and 0 < seen[1] < buckets, (buckets, seen)
@@ -395,6 +397,173 @@ def resume_same_world_bit_identical(tmp):
     assert again_opt.hvdp_schedule.step == 3
     _hvdp(config, range(3, 6), shard=True, model=again, opt=again_opt)
     assert torch.equal(_flat(again), _flat(model)), (_flat(again) - _flat(model)).abs().max()
+
+
+class _PeakAnon:
+    """The peak rise of this process's anonymous memory (RssAnon: heap and anonymous mappings, not the pages of
+    a mapped file, which VmHWM would count) over a `with` block, sampled every ~1 ms by a thread: Linux keeps
+    no peak of RssAnon."""
+
+    def __enter__(self):
+        import threading
+        self.base = self.peak = _rss_anon()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss_anon())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_anon())
+
+    @property
+    def rise(self) -> int:
+        return self.peak - self.base
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def _big(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(BIG_WIDTH, BIG_WIDTH) for _ in range(BIG_LAYERS)])
+
+
+BIG_WIDTH, BIG_LAYERS, BIG_BUCKET = 1400, 20, 8 << 20  # 39.2M parameters: Adam's state 314 MB; 7.5 MiB layers
+MiB = 1 << 20
+
+
+@check
+def the_transport_stays_fast_after_sharded_steps(tmp):
+    # Under Gloo, Horovod's reducescatter of a small bucket left the transport slow for what followed: a 7.8 MB
+    # broadcast took 5 s after two steps of this tiny model, 0.01 s before (a checkpoint load took minutes).
+    # Bounded, not timed: 2 s is 200x the broadcast's time here.
+    import time
+
+    torch.manual_seed(0)
+    small = nn.Linear(7, 5)
+    opt = ht.prepare(small, torch.optim.SGD(small.parameters(), lr=0.1, momentum=0.9), shard_optimizer_state=True)
+    for _ in range(2):
+        small(torch.randn(3, 7)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    big = torch.full((1400, 1400), float(world.rank))
+    start = time.monotonic()
+    hvd.broadcast_(big, root_rank=0, name="hvdp.test.after_sharded")
+    seconds = time.monotonic() - start
+    assert seconds < 2.0 and float(big.max()) == 0.0, f"a 7.8 MB broadcast after sharded steps took {seconds:.1f} s"
+
+
+@check
+def checkpoint_streams_in_bounded_memory(tmp):
+    # Adam's full state (exp_avg, exp_avg_sq) is 314 MB, each rank's shard 1/N of it. save_checkpoint must not
+    # build the whole state in rank 0's memory, nor load_checkpoint on any rank: the anonymous memory each may
+    # add is its shard (load) plus a few buckets, far below the full state; and the state loaded is the saved
+    # one exactly, on every rank.
+    sharded.BUCKET_BYTES = BIG_BUCKET
+    try:
+        model = _big(world.rank)
+        opt = ht.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3), shard_optimizer_state=True)
+        x = torch.randn(2, BIG_WIDTH, generator=torch.Generator().manual_seed(world.rank))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        numel = sum(p.numel() for p in model.parameters())
+        full = 2 * 4 * numel
+        shard = sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items() if k != "step")
+        with _PeakAnon() as saving:
+            ht.save_checkpoint(tmp / "big", model, opt, epoch=1, step=0, global_step=1)
+        again = _big(100 + world.rank)
+        again_opt = ht.prepare(again, torch.optim.Adam(again.parameters(), lr=1e-3), shard_optimizer_state=True)
+        with _PeakAnon() as loading:
+            assert ht.load_checkpoint(tmp / "big", again, again_opt)["global_step"] == 1
+    finally:
+        sharded.BUCKET_BYTES = DEFAULT_BUCKET
+    rises = hvd.allgather_object((saving.rise, loading.rise), name="zero.stream.rises")
+    print(f"[rank {world.rank}] checkpoint_streams_in_bounded_memory: full state {full / MiB:.0f} MiB, shard "
+          f"{shard / MiB:.0f} MiB; anonymous memory rise (save, load) per rank in MiB: "
+          f"{[(round(s / MiB), round(r / MiB)) for s, r in rises]}", file=sys.stderr, flush=True)
+    assert abs(shard - full / world.size) <= 2 * 4 * len(opt._buckets), (shard, full, world.size)
+    buffers = 2 * BIG_BUCKET + 32 * MiB  # a bucket or two in flight, the small entries, allocator slack
+    assert saving.rise < buffers, f"save_checkpoint added {saving.rise / MiB:.0f} MiB on rank {world.rank} " \
+        f"(full state {full / MiB:.0f} MiB, bound {buffers / MiB:.0f} MiB)"
+    assert loading.rise < shard + buffers, f"load_checkpoint added {loading.rise / MiB:.0f} MiB on rank " \
+        f"{world.rank} (its shard {shard / MiB:.0f} MiB, full state {full / MiB:.0f} MiB, bound " \
+        f"{(shard + buffers) / MiB:.0f} MiB)"
+    assert torch.equal(_flat(again), _flat(model))
+    assert again_opt.hvdp_schedule.step == opt.hvdp_schedule.step == 1
+    for b, c in zip(opt._buckets, again_opt._buckets):
+        mine, loaded = opt.state[b.shard], again_opt.state[c.shard]
+        assert sorted(mine) == sorted(loaded) == ["exp_avg", "exp_avg_sq", "step"], (sorted(mine), sorted(loaded))
+        for k in mine:
+            assert torch.equal(mine[k], loaded[k]) and mine[k].dtype == loaded[k].dtype, (k, b.slices)
+
+
+@check
+def streamed_save_failure_is_raised_on_every_rank(tmp):
+    # rank 0 fails before it writes (a directory that cannot be made), while it writes the skeleton (over its
+    # file size limit: EFBIG), and while it streams the state into the file (a 128 KiB tmpfs, where the sparse
+    # skeleton and the 64 KiB model fit and the 128 KiB of Adam state do not: ENOSPC): every rank gets the same
+    # CheckpointError, none is left in the gather, no partial file stays, and the ranks are in step afterwards
+    import resource
+    import signal
+    import subprocess
+    import uuid
+    from hvdp.core.errors import CheckpointError
+
+    torch.manual_seed(0)
+    model = nn.Linear(128, 128)
+    opt = ht.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3), shard_optimizer_state=True)
+    model(torch.randn(2, 128)).square().sum().backward()
+    opt.step()
+    (tmp / "a-file").write_text("not a directory")
+    cases = {"no directory": (tmp / "a-file" / "ckpt", "NotADirectoryError", None)}
+    cases["over the size limit"] = (tmp / "limited", "cannot write checkpoint", "fsize")  # torch words the EFBIG
+    small = tmp / f"small-{uuid.uuid4().hex[:6]}"
+    small.mkdir()
+    mounted = world.rank != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(small)],
+                                                capture_output=True).returncode == 0
+    mounted = all(hvd.allgather_object(mounted, name="zero.failures.mounted"))
+    if mounted:  # root only: elsewhere the first two cases run
+        cases["disk full while streaming"] = (small, "No space left on device", None)
+    try:
+        for case, (directory, error, limit) in cases.items():
+            kept = resource.getrlimit(resource.RLIMIT_FSIZE)
+            if limit and world.rank == 0:  # a write past 4 KiB fails with EFBIG (its signal ignored)
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (4096, kept[1]))
+            try:
+                ht.save_checkpoint(directory, model, opt, epoch=0, step=0, global_step=7)
+                raise AssertionError(f"{case}: save_checkpoint succeeded on rank {world.rank}")
+            except CheckpointError as e:
+                assert error in str(e) and "on rank 0" in str(e) and f"[rank {world.rank}]" in str(e), (case, str(e))
+            finally:
+                if limit and world.rank == 0:
+                    resource.setrlimit(resource.RLIMIT_FSIZE, kept)
+                    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+            hvd.allreduce(torch.ones(1), name=f"zero.failures.meet.{case}")
+            if world.rank == 0 and directory.is_dir():
+                assert not list(directory.glob("*ckpt*")), (case, list(directory.iterdir()))
+        path = ht.save_checkpoint(tmp / "after", model, opt, epoch=0, step=0, global_step=7)
+        assert (path is not None) == (world.rank == 0), path
+        if path is not None:  # a whole zip, each record's CRC-32 that of its bytes (written after the skeleton)
+            import zipfile
+            with zipfile.ZipFile(path) as archive:
+                assert archive.testzip() is None, archive.testzip()
+                assert any(n.endswith("/data/0") for n in archive.namelist()), archive.namelist()
+    finally:
+        if world.rank == 0 and mounted:
+            subprocess.run(["umount", "-l", str(small)])
 
 
 RESUME = "adamw_resume"  # no clipping: the sharded and the allreduce continuations are bit-identical up to 2 ranks
