@@ -141,24 +141,36 @@ def _torch(directory: Path, batch: int, rank: int, size: int, compare_starts: bo
         def read(epoch, attempt):
             if name == "hand":
                 sampler.set_epoch(epoch)
-            start, samples, startup = time.perf_counter(), 0, None
+            start, samples, startup, timed_out = time.perf_counter(), 0, None, False
             before = set(multiprocessing.active_children())  # hvdp's kept workers are not this read's
             dataset.stall = not attempt and stall == f"{name}:{epoch}:{rank}"  # workers forked now inherit it
+            batches = iter(loaders[name])
             try:
-                for _, y in loaders[name]:
+                for _, y in batches:
                     if startup is None:
                         startup = time.perf_counter() - start
                     samples += len(y)
             except RuntimeError as error:  # "DataLoader timed out after N seconds": a worker never started
                 if "timed out" not in str(error):
                     raise
-                for worker in set(multiprocessing.active_children()) - before:
-                    os.kill(worker.pid, signal.SIGKILL)  # a deadlocked fork ignores the loader's SIGTERM
-                    worker.join()
-                return None, None
+                timed_out = True
             finally:
                 dataset.stall = False
-            return samples, startup
+            if not timed_out:
+                return samples, startup
+            # A deadlocked fork ignores the loader's SIGTERM: kill it. torch's SIGCHLD handler raises "DataLoader
+            # worker is killed by signal" in the main thread for a dead worker of a live iterator (seen in make
+            # test under load), so it is set aside until the iterator has let go of its workers (del: its
+            # shutdown unregisters them). Blocking SIGCHLD would not do: another thread would take it.
+            handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            try:
+                for worker in set(multiprocessing.active_children()) - before:
+                    os.kill(worker.pid, signal.SIGKILL)
+                    worker.join()
+                del batches
+            finally:
+                signal.signal(signal.SIGCHLD, handler)
+            return None, None
         return read
 
     return {name: reader(name) for name in loaders}

@@ -6,27 +6,17 @@ that each epoch covers every sample exactly once although the world changed size
 a progress line per step to --progress (the test watches it to act mid-epoch) and writes --result at the end.
 """
 
-import argparse
 import json
 
 import torch
 import torch.nn.functional as F
 
 import hvdp.torch as ht
+from elastic_args import parse_args
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--samples", type=int, default=240)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--progress", required=True)
-    p.add_argument("--result", required=True)
-    p.add_argument("--until-readmitted", action="store_true",
-                   help="keep training past --epochs until the world has shrunk and grown back")
-    p.add_argument("--until-shrunk", action="store_true", help="keep training past --epochs until the world shrank")
-    args = p.parse_args()
+    args = parse_args()
 
     ht.init()
     hvd = ht.hvd

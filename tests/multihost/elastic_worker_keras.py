@@ -8,7 +8,6 @@ checks that each epoch covers every sample exactly once although the world chang
 --progress (the test watches it to act mid-epoch) and writes --result at the end.
 """
 
-import argparse
 import json
 import os
 
@@ -20,6 +19,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvdp.keras as hk  # noqa: E402
+from elastic_args import parse_args  # noqa: E402
 
 PENDING: list[int] = []  # ids of the samples this rank's train steps took since the last batch end
 
@@ -58,17 +58,7 @@ class Record(keras.callbacks.Callback):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--samples", type=int, default=240)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--progress", required=True)
-    p.add_argument("--result", required=True)
-    p.add_argument("--until-readmitted", action="store_true",
-                   help="keep training past --epochs until the world has shrunk and grown back")
-    p.add_argument("--until-shrunk", action="store_true", help="keep training past --epochs until the world shrank")
-    args = p.parse_args()
+    args = parse_args()
 
     hk.init()
     rng = np.random.default_rng(0)
