@@ -85,6 +85,18 @@ def _stop(job) -> None:
         job.wait()
 
 
+def _result(code: int, out: list[str], result: Path) -> dict:
+    """The worker's final record (--result), once the job has exited 0; else the failure shows its output."""
+    assert code == 0, f"exit {code}:\n{''.join(out)[-6000:]}"
+    return json.loads(result.read_text())
+
+
+def _lr_follows_the_world(final: dict) -> None:
+    """The linear rule follows the world: the rate is 0.01 x the ranks there are (approx: Keras holds it in
+    float32)."""
+    assert final["lrs"] == {"1": pytest.approx(0.01), "2": pytest.approx(0.02)}, final["lrs"]
+
+
 def _each_epoch_once(final: dict, samples: int) -> None:
     """Every epoch, including one interrupted mid-way, trained on each sample exactly once."""
     assert len(final["seen"]) >= 3
@@ -111,14 +123,11 @@ def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_pat
         code = _wait_end(job, out, timeout=240)
     finally:
         _stop(job)
-    text = "".join(out)
-    assert code == 0, f"exit {code}:\n{text[-6000:]}"
-    final = json.loads(result.read_text())
+    final = _result(code, out, result)
     sizes = final["sizes"]
     print(f"world sizes: {sizes}; steps logged: {len(_log(log))}; lr by size: {final['lrs']}")
     assert sizes[:3] == [2, 1, 2], f"expected 2 ranks, then 1 after the kill, then 2 again: {sizes}"
-    # The linear rule follows the world: the learning rate is 0.01 x the ranks there are.
-    assert final["lrs"] == {"1": pytest.approx(0.01), "2": pytest.approx(0.02)}, final["lrs"]
+    _lr_follows_the_world(final)
     _each_epoch_once(final, samples)
 
 
@@ -135,12 +144,10 @@ def test_elastic_host_removed_without_a_failure_rescales_the_lr(cluster, tmp_pat
         code = _wait_end(job, out, timeout=240)
     finally:
         _stop(job)
-    text = "".join(out)
-    assert code == 0, f"exit {code}:\n{text[-6000:]}"
-    final = json.loads(result.read_text())
+    final = _result(code, out, result)
     print(f"world sizes: {final['sizes']}; lr by size: {final['lrs']}")
     assert final["sizes"] == [2, 1], final["sizes"]
-    assert final["lrs"] == {"1": pytest.approx(0.01), "2": pytest.approx(0.02)}, final["lrs"]
+    _lr_follows_the_world(final)
     _each_epoch_once(final, samples)
 
 
@@ -174,12 +181,9 @@ def test_elastic_keras_survives_a_killed_worker(cluster, tmp_path, readmit):
         code = _wait_end(job, out, timeout=240)
     finally:
         _stop(job)
-    text = "".join(out)
-    assert code == 0, f"exit {code}:\n{text[-6000:]}"
-    final = json.loads(result.read_text())
+    final = _result(code, out, result)
     sizes = final["sizes"]
     print(f"world sizes: {sizes}; steps logged: {len(_log(log))}; lr by size: {final['lrs']}")
     assert sizes[:3] == ([2, 1, 2] if readmit else [2, 1]), f"2 ranks, then 1 after the kill (then 2 again): {sizes}"
-    # The linear rule follows the world: 0.01 x the ranks there are (Keras holds the rate in float32).
-    assert final["lrs"] == {"1": pytest.approx(0.01), "2": pytest.approx(0.02)}, final["lrs"]
+    _lr_follows_the_world(final)
     _each_epoch_once(final, samples)
