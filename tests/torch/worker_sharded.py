@@ -164,6 +164,18 @@ def _same_as_allreduce(a, b, what, bitwise=True):
         _close(a, b, what, 1e-6)
 
 
+def _same_rerun(a, b, what):
+    """The same steps rerun from the same state agree bit for bit where each element's sum has one order: at 2
+    ranks (a + b == b + a) and under MPI on one host (hvdp's shared-memory allreduce adds in rank order). Gloo's
+    ring at 3+ ranks adds an element in an order set by its place in the buffer Horovod fused that cycle, which
+    timing decides (a 21-float allreduce alone and fused with another differed in 196 of 200 tries): there, one
+    rounding apart, as docs/pytorch.md says."""
+    if world.size <= 2 or not hvd.gloo_enabled():
+        assert torch.equal(a, b), f"{what}: not bit-identical, max |diff| {(a - b).abs().max().item():.3g}"
+    else:
+        _close(a, b, what, 1e-6)
+
+
 def _exact(config, bucket_bytes=DEFAULT_BUCKET):
     sharded.BUCKET_BYTES = bucket_bytes
     try:
@@ -384,7 +396,7 @@ def checkpoint_holds_the_full_unsharded_state(tmp):
 
 
 @check
-def resume_same_world_bit_identical(tmp):
+def resume_same_world_continues_the_uninterrupted_run(tmp):
     config = "adam_clip_accumulate"
     model, opt = _hvdp(config, range(3), shard=True)
     ht.save_checkpoint(tmp / "same", model, opt, epoch=1, step=0, global_step=3)
@@ -396,7 +408,7 @@ def resume_same_world_bit_identical(tmp):
     assert ht.load_checkpoint(tmp / "same", again, again_opt)["global_step"] == 3
     assert again_opt.hvdp_schedule.step == 3
     _hvdp(config, range(3, 6), shard=True, model=again, opt=again_opt)
-    assert torch.equal(_flat(again), _flat(model)), (_flat(again) - _flat(model)).abs().max()
+    _same_rerun(_flat(again), _flat(model), "the resumed run against the uninterrupted one")
 
 
 class _PeakAnon:
