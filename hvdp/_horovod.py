@@ -144,6 +144,9 @@ def elastic_body(train: Callable, failed_collective: Callable[[BaseException], b
     @functools.wraps(train)
     def body(state, *args, **kwargs):
         entered_elastic_world()  # from here collectives (evaluate, checkpoints) span every rank
+        entered = getattr(state, "_hvdp_entered", None)
+        if entered is not None:  # every rank of the world, at each (re)entry: hvdp.torch.ElasticState's
+            entered()
         try:
             return train(state, *args, **kwargs)
         except Exception as e:

@@ -13,7 +13,9 @@ from hvdp.core.errors import ConfigError
 from hvdp.torch.checkpoint import _ARRAYS, _into
 from hvdp.torch.data import ShardSampler
 from hvdp.torch.optimizer import _rescale_groups
+from hvdp.torch import sharded_elastic
 from hvdp.torch.runtime import _plain, hvd
+from hvdp.torch.sharded import ShardedOptimizer
 from hvdp.torch.streams import _StreamLoader
 
 from horovod.common.elastic import ObjectState  # noqa: E402,I001  (after runtime's import_horovod: its clear error)
@@ -64,8 +66,10 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
             raise ConfigError("`epoch` is kept by ElasticState itself (state.epoch, from the data position); "
                               "leave it out of the extras")
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
+        self._sharded = isinstance(optimizer, ShardedOptimizer)
+        self._reshard = False  # a reset happened: the sharded state is rebuilt when training is entered again
         schedule.on_step = sampler.record_steps
-        self._snapshot = self._take()
+        self._snapshot = self._take(collective=False)
         super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, root_rank=0, name="hvdp.elastic"),
                          get_rank=hvd.rank, **extra)
 
@@ -74,11 +78,15 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         """The epoch training is in (or starts next): the loop condition of an elastic training function."""
         return self.sampler.position()[0]
 
-    def _take(self) -> dict:
+    def _take(self, collective: bool = True) -> dict:
         s = self.optimizer.hvdp_schedule
-        return {"model": copy.deepcopy(self.model.state_dict()),
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "schedule": (s.step, s.size), "position": self.sampler.position()}
+        if not self._sharded:
+            optimizer = copy.deepcopy(self.optimizer.state_dict())
+        else:  # its slices and copies of its keepers' (every rank, at the same commit), or none yet
+            optimizer = sharded_elastic.commit_copies(self.optimizer) if collective else None
+        return {"model": copy.deepcopy(self.model.state_dict()), "optimizer": optimizer,
+                "groups": _hyperparameters(self.optimizer), "schedule": (s.step, s.size),
+                "position": self.sampler.position()}
 
     def save(self) -> None:
         """Snapshot model, optimizer, schedule and data position in memory (state.commit() calls it)."""
@@ -89,7 +97,11 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         """Roll model, optimizer, schedule and data position back to the last save(); Horovod calls it."""
         snap = self._snapshot
         self.model.load_state_dict(snap["model"])
-        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        if self._sharded:  # the state is rebuilt from the commits once the new world is formed: _hvdp_entered()
+            self._reshard = True
+            _set_hyperparameters(self.optimizer, snap["groups"])
+        else:
+            self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         s = self.optimizer.hvdp_schedule
         s.step, s.size = snap["schedule"]  # the restored rates are scaled for the world of the snapshot
         s.fresh = False  # gradients of a step that raised
@@ -104,6 +116,7 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         _rescale_groups(self.optimizer, self.optimizer.hvdp_schedule.multiplier, hvd.size())
         # After a reset the next iteration starts where training is, not at the next epoch.
         self.sampler.resume(*self.sampler.position())
+        self._reshard = self._sharded  # a world of other ranks: the shards are laid out anew in _hvdp_entered()
 
     def sync(self) -> None:
         """Broadcast model, optimizer state, schedule and data position from rank 0; rescale the LR.
@@ -117,17 +130,45 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         # Streamed (see _horovod.broadcast_tree): an optimizer state of any size, received in place where
         # this rank already has it.
         s = self.optimizer.hvdp_schedule
+        # A sharded optimizer's state is rebuilt from the ranks' commits in _hvdp_entered(): here its hyperparameters.
+        optimizer = _hyperparameters(self.optimizer) if self._sharded else self.optimizer.state_dict()
         synced = _horovod.broadcast_tree(
-            hvd, _ARRAYS, {"optimizer": self.optimizer.state_dict(), "schedule": (s.step, s.multiplier),
+            hvd, _ARRAYS, {"optimizer": optimizer, "schedule": (s.step, s.multiplier),
                            "position": self.sampler.position()},
-            name="hvdp.elastic.sync", into=_into(None, self.optimizer))
+            name="hvdp.elastic.sync", into=None if self._sharded else _into(None, self.optimizer))
         opt_state, (step, multiplier), position = synced["optimizer"], synced["schedule"], synced["position"]
-        self.optimizer.load_state_dict(opt_state)
+        if self._sharded:
+            _set_hyperparameters(self.optimizer, opt_state)
+        else:
+            self.optimizer.load_state_dict(opt_state)
         _rescale_groups(self.optimizer, multiplier, hvd.size())  # rank 0's rates, for this world
         s.step, s.fresh = step, False
         self.sampler.resume(*position)
         super().sync()
-        self._snapshot = self._take()  # what a failure before the next commit rolls back to
+        if not self._sharded:  # (sharded: in _hvdp_entered(), after the re-sharding)
+            self._snapshot = self._take()  # what a failure before the next commit rolls back to
+
+    def _hvdp_entered(self) -> None:
+        """elastic_run calls it on every rank each time training is entered, after sync() or a reset that
+        skipped it. With a sharded optimizer: if a reset happened on any rank, lay the shards out for this
+        world and rebuild their state from the last commit (sharded_elastic.reshard), then commit, so that a
+        failure before the next commit rolls back to this state."""
+        if not self._sharded:
+            return
+        if any(hvd.allgather_object(self._reshard, name="hvdp.elastic.reshard")):
+            sharded_elastic.reshard(self.optimizer, self._snapshot["optimizer"] if self._reshard else None)
+        self._reshard = False
+        self._snapshot = self._take()
+
+
+def _hyperparameters(optimizer) -> list[dict]:
+    """Each param group's settings (lr, momentum...), without its parameters."""
+    return [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _set_hyperparameters(optimizer, groups: list[dict]) -> None:
+    for group, values in zip(optimizer.param_groups, groups):
+        group.update(copy.deepcopy(values))
 
 
 def elastic_run(train: Callable) -> Callable:

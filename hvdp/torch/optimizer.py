@@ -107,7 +107,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     Raises:
         ConfigError: an unknown `op`, `compression` or `lr_scaling`; `backward_passes_per_step` not an
             integer >= 1; `warmup_steps` < 0; op="adasum" in a multi-rank job on Gloo; shard_optimizer_state
-            with op="adasum" or under elastic horovodrun.
+            with op="adasum".
         DivergenceError: the ranks built models of different parameter names or shapes (on every rank).
     """
     model = _plain(model)
@@ -124,9 +124,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     if op == "adasum" and hvd.size() > 1 and not hvd.mpi_enabled():
         raise ConfigError("op='adasum' needs Horovod's MPI controller, and this job runs on Gloo: launch "
                           "with `horovodrun` without --gloo (or mpirun), or use op='average'", rank=hvd.rank())
-    if shard_optimizer_state and (op == "adasum" or elastic()):
-        raise ConfigError("shard_optimizer_state=True works with op='average' or 'sum', outside elastic horovodrun "
-                          f"(op={op!r}, elastic={elastic()})", rank=hvd.rank())
+    if shard_optimizer_state and op == "adasum":
+        raise ConfigError("shard_optimizer_state=True works with op='average' or 'sum', not 'adasum'",
+                          rank=hvd.rank())
     schedule = _Schedule(rule=lr_scaling, op=op, passes=backward_passes_per_step, warmup_steps=warmup_steps,
                          size=hvd.size())
     schedule.rate(1.0, scaled_by=1.0)  # an unknown lr_scaling: a ConfigError before anything is changed
@@ -146,8 +146,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
                                       for p in model.parameters() if p.requires_grad]
     if shard_optimizer_state:
         from hvdp.torch.sharded import ShardedOptimizer  # it builds on this module
-        _check_same_model(model)
-        broadcast(model, optimizer)  # rank 0's weights, state and hyperparameters, before the state is sliced
+        if not elastic():  # under elastic, ElasticState.sync() and entered() do it, with the ranks there are then
+            _check_same_model(model)
+            broadcast(model, optimizer)  # rank 0's weights, state and hyperparameters, before the state is sliced
         sharded = ShardedOptimizer(optimizer, schedule, op=_OPS[op], compression=_COMPRESSIONS[compression])
         model._hvdp_accumulation_hooks += sharded.hooks  # removed, as the others, if the model is prepared again
         return sharded

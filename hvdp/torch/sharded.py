@@ -35,6 +35,11 @@ BUCKET_BYTES = 32 * 2**20  # per bucket: the unit of the reduce-scatter, the all
 _SCALAR_KEYS = frozenset({"step", "eta", "mu"})
 
 
+def is_per_element(value, shard: torch.Tensor) -> bool:
+    """Whether a shard's state entry has one value per element (momentum, Adam's moments), not one in all."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.shape == shard.shape
+
+
 @dataclass(frozen=True)
 class Streamed:
     """Stands for a per-element state tensor that load_checkpoint leaves on rank 0 (memory-mapped from the
@@ -134,12 +139,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._names = [g.pop("param_names", None) for g in optimizer.param_groups]
         existing = optimizer.state_dict() if optimizer.state else None
         self._buckets = _layout(self._groups, bucket_bytes or BUCKET_BYTES, self._size)
-        with torch.no_grad():
-            for b in self._buckets:
-                start, length = b.slices[self._rank]
-                b.shard = torch.nn.Parameter(self._flat(b, lambda p: p.detach(), start, start + length))
-        for g, group in enumerate(optimizer.param_groups):
-            group["params"] = [b.shard for b in self._buckets if b.group == g]
+        self._make_shards(optimizer.param_groups)
         optimizer.state.clear()
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups, self.state = optimizer.param_groups, optimizer.state  # the same objects
@@ -153,6 +153,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
                       for b in self._buckets for piece in b.pieces]
         if existing is not None:
             self.load_state_dict(existing)
+
+    def _make_shards(self, param_groups: list) -> None:
+        """Split each bucket for this world and make this rank's slice of the model's values its shard
+        parameter, the one `param_groups` step."""
+        with torch.no_grad():
+            for b in self._buckets:
+                b.slices = split(b.numel, self._size)
+                start, length = b.slices[self._rank]
+                b.shard = torch.nn.Parameter(self._flat(b, lambda p: p.detach(), start, start + length))
+        for g, group in enumerate(param_groups):
+            group["params"] = [b.shard for b in self._buckets if b.group == g]
+
+    def relayout(self, size: int, rank: int) -> None:
+        """Split the buckets anew for a world of `size` ranks in which this one is `rank` (after an elastic
+        reset; hvdp.torch.sharded_elastic.reshard then fills the state): new shard parameters from the model's
+        values, no state, nothing in flight. No collective."""
+        self._rank, self._size = rank, size
+        self._gloo = size > 1 and hvd.gloo_enabled()
+        self._make_shards(self.param_groups)
+        self.state.clear()
+        self._pending.clear()
+        self._counts.clear()
+        self._missing = [len(b.pieces) for b in self._buckets]
+        self._synchronized, self._consolidated = False, None
 
     @staticmethod
     def _flat(bucket: _Bucket, value, start: int, end: int) -> torch.Tensor:
@@ -372,7 +396,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mine = {}
         for b in self._buckets:
             for k, v in self.state.get(b.shard, {}).items():
-                mine[k] = torch.is_tensor(v) and v.dim() == 1 and v.shape == b.shard.shape
+                mine[k] = is_per_element(v, b.shard)
         every = hvd.allgather_object(mine, name="hvdp.zero.keys") if self._size > 1 else [mine]
         merged = {}
         for m in every:

@@ -15,4 +15,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--until-readmitted", action="store_true",
                    help="keep training past --epochs until the world has shrunk and grown back")
     p.add_argument("--until-shrunk", action="store_true", help="keep training past --epochs until the world shrank")
+    p.add_argument("--shard", action="store_true",
+                   help="(hvdp.torch) shard_optimizer_state=True; check the state rebuilt after each reset")
     return p.parse_args()

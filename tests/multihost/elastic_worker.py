@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import hvdp.torch as ht
+from horovod.common.exceptions import HostsUpdatedInterrupt
 from elastic_args import parse_args
 
 
@@ -25,9 +26,30 @@ def main():
     y = (x.sum(1) > 0).long()
     data = torch.utils.data.TensorDataset(x, y, torch.arange(args.samples))
     model = torch.nn.Linear(8, 2)
-    optimizer = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
+    optimizer = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+                           shard_optimizer_state=args.shard)
     loader = ht.shard(data, batch_size=args.batch_size)
     state = ht.ElasticState(model, optimizer, loader, seen={}, sizes=[], lrs={})
+    # --shard: the full optimizer state as committed (gathered on rank 0 just before each commit), and the
+    # number of (re)entries at which rank 0 found the re-sharded state equal to it
+    committed, rebuilt = [None], [0]
+
+    def everywhere():
+        """The full optimizer state, gathered on every rank (a test-sized model)."""
+        mine = None
+        for to in range(hvd.size()):
+            full = optimizer.gathered_state_dict(to)
+            mine = full if to == hvd.rank() else mine
+        return mine
+
+    def commit():
+        pending = everywhere() if args.shard else None
+        try:
+            state.commit()
+        except HostsUpdatedInterrupt:  # raised after the commit was saved: it is what the reset starts from
+            committed[0] = pending
+            raise
+        committed[0] = pending
 
     def readmitted(sizes):
         return any(a > b < c for a, b, c in zip(sizes, sizes[1:], sizes[2:]))
@@ -35,6 +57,11 @@ def main():
     @ht.elastic_run
     def train(state):
         size = hvd.size()
+        if args.shard:  # after a reset, the state re-sharded for this world is the committed one
+            now = everywhere()
+            if committed[0] is not None:  # a rank of the world of that commit
+                same(now, committed[0])
+                rebuilt[0] += 1
         if not state.sizes or state.sizes[-1] != size:
             state.sizes.append(size)
         state.lrs[size] = optimizer.param_groups[0]["lr"]
@@ -56,14 +83,24 @@ def main():
                     with open(args.progress, "a") as f:
                         f.write(json.dumps({"size": size, "epoch": epoch, "offset": loader.batch_sampler.position()[1],
                                             "batches": batches}) + "\n")
-                state.commit()
+                commit()
 
     train(state)
+    rebuilt[0] = max(hvd.allgather_object(rebuilt[0], name="t.rebuilt"))  # a survivor's count
     if hvd.size() > 1:
         ht.check_consistency(model)
     if hvd.rank() == 0:
         with open(args.result, "w") as f:
-            json.dump({"sizes": state.sizes, "lrs": state.lrs, "seen": state.seen, "samples": args.samples}, f)
+            json.dump({"sizes": state.sizes, "lrs": state.lrs, "seen": state.seen, "samples": args.samples,
+                       "rebuilt": rebuilt[0]}, f)
+
+
+def same(now: dict, then: dict) -> None:
+    """The optimizer state `now` is `then`, bit for bit (the momentum of every parameter)."""
+    assert sorted(now["state"]) == sorted(then["state"]), (sorted(now["state"]), sorted(then["state"]))
+    for i, entry in then["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(now["state"][i][k], v), f"parameter {i}, {k}: the re-sharded state differs"
 
 
 if __name__ == "__main__":

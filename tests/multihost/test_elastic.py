@@ -106,9 +106,22 @@ def _each_epoch_once(final: dict, samples: int) -> None:
             f"missing {sorted(set(range(samples)) - set(seen))[:10]}")
 
 
-def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_path):
+SHARDED = pytest.mark.parametrize("shard", [False, True], ids=["allreduce", "sharded"])
+
+
+def _rebuilt(final: dict, shard: bool, entries: int) -> None:
+    """With the optimizer state sharded (issue 34), a surviving rank found it equal, bit for bit, to the last
+    commit at each entry after a reset (the worker's check): at least once per change of the world's size."""
+    assert final["rebuilt"] >= entries if shard else final["rebuilt"] == 0, (final["rebuilt"], entries)
+
+
+@SHARDED
+def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_path, shard):
+    """The killed worker's slice of a sharded optimizer state comes back from the copy its keeper (the
+    survivor, on the other host) committed; the re-admitted worker gets its new slice from the survivor."""
     samples = 240
-    job, out, hosts, log, result = _start(cluster, tmp_path, samples, "--until-readmitted")
+    job, out, hosts, log, result = _start(cluster, tmp_path, samples, "--until-readmitted",
+                                          *(["--shard"] if shard else []))
     try:
         # Mid-epoch 1 on two ranks: kill hostb's worker and take hostb out of discovery (the host is lost).
         _wait("two-rank training in epoch 1",
@@ -129,14 +142,17 @@ def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_pat
     assert sizes[:3] == [2, 1, 2], f"expected 2 ranks, then 1 after the kill, then 2 again: {sizes}"
     _lr_follows_the_world(final)
     _each_epoch_once(final, samples)
+    _rebuilt(final, shard, len(sizes) - 1)
 
 
-def test_elastic_host_removed_without_a_failure_rescales_the_lr(cluster, tmp_path):
+@SHARDED
+def test_elastic_host_removed_without_a_failure_rescales_the_lr(cluster, tmp_path, shard):
     """issue 29: a host taken out of discovery while its worker is healthy makes Horovod raise
     HostsUpdatedInterrupt(skip_sync=True): the survivors reset without sync(), and the rate of two ranks
-    stayed while the data was split for one."""
+    stayed while the data was split for one. Sharded, the state is re-sharded without a sync() too."""
     samples = 240
-    job, out, hosts, log, result = _start(cluster, tmp_path, samples, "--until-shrunk")
+    job, out, hosts, log, result = _start(cluster, tmp_path, samples, "--until-shrunk",
+                                          *(["--shard"] if shard else []))
     try:
         _wait("two-rank training in epoch 1",
               lambda: any(r["size"] == 2 and r["epoch"] == 1 and r["offset"] >= 40 for r in _log(log)), job, out)
@@ -149,6 +165,7 @@ def test_elastic_host_removed_without_a_failure_rescales_the_lr(cluster, tmp_pat
     assert final["sizes"] == [2, 1], final["sizes"]
     _lr_follows_the_world(final)
     _each_epoch_once(final, samples)
+    _rebuilt(final, shard, 1)
 
 
 

@@ -441,6 +441,46 @@ def checkpoint_holds_the_full_unsharded_state(tmp):
 
 
 @check
+def elastic_reshard_rebuilds_the_state_from_the_keepers_copies(tmp):
+    """sharded_elastic (what hvdp.torch.ElasticState runs at a commit and after a reset), in this world: the
+    last rank "joins" with no commit, so its slices come from the copies its keeper committed (every rank on
+    one host: the next rank), broadcast bucket by bucket (uneven slices, an empty one for the 0-dim bucket);
+    the rebuilt state is the state before, bit for bit, and the run goes on as the one never re-sharded.
+    With two neighbouring ranks gone, one slice is held by no rank: the same CheckpointError on every rank."""
+    from hvdp.torch import sharded_elastic
+    config = "adam_clip_accumulate"
+    sharded.BUCKET_BYTES = 48  # four buckets, the 0-dim parameter's alone
+    try:
+        plain, plain_opt = _hvdp(config, range(3), shard=True)
+        model, opt = _hvdp(config, range(3), shard=True)
+    finally:
+        sharded.BUCKET_BYTES = DEFAULT_BUCKET
+    before = opt.gathered_state_dict(0)
+    committed = sharded_elastic.commit_copies(opt)
+    assert sorted(committed["slices"]) == sorted({world.rank, (world.rank - 1) % world.size}), committed["slices"]
+    sharded_elastic.reshard(opt, None if world.rank == world.size - 1 else committed)
+    after = opt.gathered_state_dict(0)
+    if world.rank == 0:
+        assert sorted(after["state"]) == sorted(before["state"]) == list(range(4))
+        for i, entry in before["state"].items():
+            assert sorted(after["state"][i]) == sorted(entry), (i, sorted(after["state"][i]), sorted(entry))
+            for k, v in entry.items():
+                assert torch.equal(after["state"][i][k], v), (i, k)
+    _hvdp(config, range(3, 6), shard=True, model=model, opt=opt)
+    _hvdp(config, range(3, 6), shard=True, model=plain, opt=plain_opt)
+    _same_rerun(_flat(model), _flat(plain), "re-sharded, against never re-sharded")
+    if world.size > 2:
+        gone = world.rank >= world.size - 2  # a rank and its keeper
+        committed = sharded_elastic.commit_copies(opt)
+        try:
+            sharded_elastic.reshard(opt, None if gone else committed)
+        except Exception as e:
+            assert type(e).__name__ == "CheckpointError" and f"former rank(s) [{world.size - 2}]" in str(e), e
+        else:
+            raise AssertionError("a slice held by no rank was not refused")
+
+
+@check
 def resume_same_world_continues_the_uninterrupted_run(tmp):
     config = "adam_clip_accumulate"
     model, opt = _hvdp(config, range(3), shard=True)

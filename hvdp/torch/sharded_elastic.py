@@ -1,0 +1,146 @@
+"""Elastic training with sharded optimizer state: what a commit keeps, and the re-sharding after a reset.
+
+A rank holds only its slice of the optimizer state, so a lost worker takes its slice with it. A commit
+therefore keeps, besides this rank's own slice, a copy of the slices of the ranks it is the keeper of: each
+rank's keeper is the first rank after it (counting round) on another host, or the next rank when every rank
+is on one host. A host that is lost or removed leaves every slice it held with a keeper elsewhere; the
+commit holds 2/N of the state where the unsharded ElasticState holds all of it. After a reset, every rank of
+the new world (survivors and newly started workers) calls reshard(): the buckets are laid out for the new
+world, and each bucket's state is rebuilt from the committed slices, one bucket and key at a time, each slice
+broadcast by the survivor that holds it, every rank keeping its new slice.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+
+from hvdp.core.errors import CheckpointError
+from hvdp.torch.runtime import hvd
+from hvdp.torch.sharded import ShardedOptimizer, is_per_element, split
+
+
+def keepers(hosts: list[str]) -> list[int]:
+    """keepers(hosts)[r]: the rank that keeps a copy of rank r's slice, for ranks on `hosts` (one host name per
+    rank): the first rank after r, counting round, on another host; with every rank on one host, r + 1."""
+    size = len(hosts)
+    out = []
+    for r in range(size):
+        after = [(r + d) % size for d in range(1, size)]
+        out.append(next((k for k in after if hosts[k] != hosts[r]), after[0] if after else r))
+    return out
+
+
+def _described(opt: ShardedOptimizer) -> list[dict]:
+    """Per bucket, what the shard's state holds: {"per": {key: dtype} of its per-element entries, "other":
+    the other entries (Adam's step), copied to the CPU, "on_device": those of them that were not on it}."""
+    out = []
+    for b in opt._buckets:
+        per, other, on_device = {}, {}, []
+        for k, v in opt.state.get(b.shard, {}).items():
+            if is_per_element(v, b.shard):
+                per[k] = v.dtype
+            elif torch.is_tensor(v):
+                other[k] = v.detach().cpu().clone()
+                if v.device.type != "cpu":
+                    on_device.append(k)
+            else:
+                other[k] = v
+        out.append({"per": per, "other": other, "on_device": on_device})
+    return out
+
+
+def _merged(every: list[list[dict]]) -> list[dict]:
+    """One description per bucket from every rank's (a rank with an empty slice may hold no state there): the
+    per-element keys any rank has, the other entries of the first rank that has any."""
+    merged = []
+    for i in range(len(every[0])):
+        per = {}
+        for d in every:
+            per.update(d[i]["per"])
+        first = next((d[i] for d in every if d[i]["other"]), {"other": {}, "on_device": []})
+        merged.append({"per": dict(sorted(per.items())), "other": first["other"], "on_device": first["on_device"]})
+    return merged
+
+
+def commit_copies(opt: ShardedOptimizer) -> dict:
+    """What this rank keeps at a commit: its own slices and those of the ranks it keeps (the per-element state
+    of each bucket, gathered one bucket and key at a time), and the description of every bucket's state.
+    Every rank must call it, at the same commit."""
+    size, rank = opt._size, opt._rank
+    mine = _described(opt)
+    if size > 1:
+        every = hvd.allgather_object((socket.gethostname(), mine), name="hvdp.zero.commit")
+        kept = keepers([host for host, _ in every])
+        buckets = _merged([d for _, d in every])
+    else:
+        kept, buckets = [0], _merged([mine])
+    ranks = sorted({rank} | {r for r in range(size) if kept[r] == rank})
+    slices = {r: [{} for _ in opt._buckets] for r in ranks}
+    for i, (b, described) in enumerate(zip(opt._buckets, buckets)):
+        state = opt.state.get(b.shard, {})
+        for j, (key, dtype) in enumerate(described["per"].items()):
+            local = state.get(key)
+            if local is None:
+                local = torch.zeros(b.shard.shape, dtype=dtype, device=b.shard.device)
+            full = hvd.allgather(local.detach(), name=f"hvdp.zero.commit.{i}.{j}") if size > 1 else local
+            for r in ranks:
+                start, length = b.slices[r]
+                slices[r][i][key] = full[start:start + length].detach().cpu().clone()
+            del full
+    return {"size": size, "slices": slices, "buckets": buckets}
+
+
+def reshard(opt: ShardedOptimizer, committed: dict | None) -> None:
+    """Lay `opt` out for the world there is now and rebuild its state from the commits the ranks hold.
+
+    Every rank of the new world must call it, each with its last commit_copies() (None on a worker that
+    joined, or when nothing was committed): the slices of each former rank are broadcast by the lowest new
+    rank that holds them, every rank keeping its new slice; a rank holds one bucket's state of one key at a
+    time besides its shard. The model's parameters must already be the same on every rank (the new shards
+    are taken from them).
+
+    Raises:
+        CheckpointError: on every rank: the slices of some former ranks are held by no rank (a rank and its
+            keeper were both lost), or the ranks hold commits of different world sizes.
+    """
+    summary = None if committed is None else (committed["size"], sorted(committed["slices"]), committed["buckets"])
+    every = hvd.allgather_object(summary, name="hvdp.zero.reshard") if hvd.size() > 1 else [summary]
+    held = [s for s in every if s is not None]
+    if not held:
+        opt.relayout(hvd.size(), hvd.rank())
+        return  # nothing committed yet: the fresh state, as after prepare()
+    sizes = sorted({s[0] for s in held})
+    if len(sizes) > 1:
+        raise CheckpointError(f"the ranks hold elastic commits of different world sizes {sizes}: the optimizer "
+                              f"state cannot be rebuilt; resume from a checkpoint", rank=hvd.rank())
+    old = sizes[0]
+    holder = {}
+    for new_rank, s in enumerate(every):
+        for r in (s[1] if s is not None else ()):
+            holder.setdefault(r, new_rank)
+    lost = [r for r in range(old) if r not in holder]
+    if lost:
+        raise CheckpointError(
+            f"the optimizer state of former rank(s) {lost} of {old} was lost: each rank's slice is kept by itself "
+            f"and by one rank on another host, and both left the job. Resume from a checkpoint "
+            f"(hvdp.torch.save_checkpoint / load_checkpoint)", rank=hvd.rank())
+    opt.relayout(hvd.size(), hvd.rank())
+    for i, (b, described) in enumerate(zip(opt._buckets, held[0][2])):
+        state = {k: v.clone() if torch.is_tensor(v) else v for k, v in described["other"].items()}
+        start, length = b.slices[opt._rank]
+        for key, dtype in described["per"].items():
+            full = torch.empty(b.numel, dtype=dtype)
+            for r, (s, n) in enumerate(split(b.numel, old)):
+                part = full[s:s + n]
+                if holder[r] == opt._rank:
+                    part.copy_(committed["slices"][r][i][key])
+                if n and hvd.size() > 1:
+                    hvd.broadcast_(part, root_rank=holder[r], name=f"hvdp.zero.reshard.{i}.{key}.{r}")
+            state[key] = full[start:start + length].clone().to(b.shard.device)
+            del full
+        for k in described["on_device"]:  # Adam's step with capturable=True: where the shard is
+            state[k] = state[k].to(b.shard.device)
+        if state:
+            opt.state[b.shard] = state
