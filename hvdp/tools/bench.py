@@ -51,7 +51,7 @@ ALLREDUCE_IMPLS = ("hvdp-mpi", "horovod-mpi", "hvdp-gloo", "torch-gloo", "mpi4py
 # Every implementation trains it with AdamW (Adam-like state, what sharding saves; SGD before issue 34), and
 # the eager variants' rotations hold two more: hvdp with its optimizer state sharded (ZeRO-1/2) and DDP with
 # torch's ZeroRedundancyOptimizer (ZeRO-1), each with its memory (benchmarks/memory.py) and issue 34's
-# targets (not the compiled ones: hvdp_torch.compile with sharded state is not tested yet).
+# targets (not the compiled ones: hvdp_torch.compile with sharded state is tested, not yet measured here).
 GPT = {"variants": ("gpt", "gpt-bf16", "gpt-compiled", "gpt-compiled-bf16"), "quick": ("gpt-bf16",),
        "impls": ("hvdp", "horovod", "ddp"), "optimizer": "adamw",
        "ratios": {"hvdp_vs_ddp": ("hvdp", "ddp"), "hvdp_vs_horovod": ("hvdp", "horovod")},
