@@ -38,7 +38,9 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
     are then split the rest of the epoch, and no sample is skipped or seen twice. A step that GradScaler
     skips counts too: its batches were trained on. After every reset, reset() rescales the learning rate to
     the new world size by the rule given to prepare() (also when Horovod skips sync() because hosts were only
-    removed), and sync() broadcasts everything from rank 0.
+    removed), and sync() broadcasts everything from rank 0. With a sharded optimizer (prepare(...,
+    shard_optimizer_state=True)) a commit keeps this rank's slices of the state and copies of another host's,
+    and after every reset the state is re-sharded for the new world (hvdp.torch.sharded_elastic).
 
     Args:
         model: the module being trained.
