@@ -10,10 +10,10 @@ import torch
 
 from hvdp import _horovod
 from hvdp.core.errors import ConfigError
+from hvdp.torch import sharded_elastic
 from hvdp.torch.checkpoint import _ARRAYS, _into
 from hvdp.torch.data import ShardSampler
 from hvdp.torch.optimizer import _rescale_groups
-from hvdp.torch import sharded_elastic
 from hvdp.torch.runtime import _plain, hvd
 from hvdp.torch.sharded import ShardedOptimizer
 from hvdp.torch.streams import _StreamLoader
