@@ -84,6 +84,25 @@ def test_a_failed_job_is_named_and_nothing_is_left_running(tmp_path):
     assert not left.split(), left
 
 
+def test_a_worker_that_ends_after_its_last_repetition_is_no_failure(tmp_path):
+    """A worker exits once it has reported its last repetition, maybe before the coordinator has stopped it.
+    Here one process of a two-process job reports at once and exits while the other still works on the last
+    repetition: the coordinator failed on that exit (0) before (CI, under load). A job whose processes all end
+    without reporting a repetition they were handed is still a failure, named."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    base = [sys.executable, str(script), str(ROOT / "benchmarks"), "--turns", str(tmp_path / "turns")]
+    uneven = rotation.Job("uneven", [base + ["--job", "uneven", "--reps", "2", "--instance", "0", "--seconds", "0"],
+                                     base + ["--job", "uneven", "--reps", "2", "--instance", "1", "--seconds", "1"]],
+                          {}, processes=2, writers=2)
+    results = rotation.rotate([_job(tmp_path, "other", reps=2), uneven], 2, tmp_path / "turns")
+    assert [len(r) for r in results["uneven"]] == [2, 2] and [len(r) for r in results["other"]] == [1, 1]
+    (tmp_path / "second").mkdir()
+    short = _job(tmp_path / "second", "short", reps=1)  # it ends after 1 repetition, and is handed a second one
+    with pytest.raises(RuntimeError, match=r"job short ended without finish repetition 1"):
+        rotation.rotate([short], 2, tmp_path / "second" / "turns", turn_timeout=30)
+
+
 def _coverage(n: int, k: int) -> float:  # P(x_(k) <= median <= x_(n+1-k)), computed another way
     return sum(math.comb(n, i) for i in range(k, n - k + 1)) / 2 ** n
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from hvdp.core.tuning import RUNTIME_DEFAULTS
-from hvdp.tools import resources, rotation
+from hvdp.tools import bench_sharded, resources, rotation
 
 BENCH_DIR = resources.path("benchmarks")  # inside the installed package, or a checkout's benchmarks/
 # framework -> its worker, the implementations measured side by side, and the ratios reported (a / b).
@@ -58,10 +58,6 @@ GPT = {"variants": ("gpt", "gpt-bf16", "gpt-compiled", "gpt-compiled-bf16"), "qu
        "sharded_impls": ("hvdp-sharded", "ddp-zero"),
        "sharded_ratios": {"hvdp_sharded_vs_hvdp": ("hvdp-sharded", "hvdp"),
                           "hvdp_sharded_vs_ddp_zero": ("hvdp-sharded", "ddp-zero")}}
-# Issue 34's targets at np=2: a sharded rank's optimizer state at most 1/N + 5% of the unsharded one's, and its
-# samples/s at least these times the other's (ratio name -> the least).
-SHARDED_STATE_SLACK = 0.05
-SHARDED_THROUGHPUT = {"hvdp_sharded_vs_hvdp": 0.9, "hvdp_sharded_vs_ddp_zero": 1.0}
 
 
 def add_arguments(parser) -> None:
@@ -311,22 +307,6 @@ def _summary(rounds_of: dict[str, list[list[dict]]], impls: list[str], ratios: d
     }
 
 
-def sharded_targets(m: dict, np_: int) -> dict:
-    """Issue 34's targets on one GPT variant's results (_summary's, with hvdp-sharded and ddp-zero): the
-    optimizer-state and gradient bytes of each sharded implementation over its unsharded one (rank 0's), the
-    state's bound (1/N + 5%), and the throughput ratios (median of rounds, its interval) against their least."""
-    mem, bound = m["memory"], 1 / np_ + SHARDED_STATE_SLACK
-    pairs = {"hvdp-sharded/hvdp": ("hvdp-sharded", "hvdp"), "ddp-zero/ddp": ("ddp-zero", "ddp")}
-    state = {k: mem[a]["optimizer_state_bytes"] / mem[b]["optimizer_state_bytes"] for k, (a, b) in pairs.items()}
-    return {"state_bytes_ratio": state, "state_bytes_bound": bound,
-            "state_bytes_met": state["hvdp-sharded/hvdp"] <= bound,
-            "gradient_bytes_ratio": {k: mem[a]["gradient_bytes"] / mem[b]["gradient_bytes"]
-                                     for k, (a, b) in pairs.items()},
-            "throughput": {name: {"ratio": m["ratios"][name], "interval": m["ratio_intervals"][name],
-                                  "least": least, "met": m["ratios"][name] >= least}
-                           for name, least in SHARDED_THROUGHPUT.items()}}
-
-
 def _pipeline(framework: str, args, rounds: int, raw_env: dict) -> dict:
     """Input-pipeline samples/s per rank of hvdp's sharded pipeline and the hand-written one, alone and at np,
     on files the worker writes once into a temporary directory (removed after)."""
@@ -427,7 +407,7 @@ def run(args) -> int:
                        GPT["impls"] + (GPT["sharded_impls"] if sharded else ()),
                        {**GPT["ratios"], **(GPT["sharded_ratios"] if sharded else {})})
             if sharded:
-                m["sharded"] = sharded_targets(m, args.np)
+                m["sharded"] = bench_sharded.targets(m, args.np)
             report["training_gpt"]["models"][v] = m
 
     for framework in ([] if args.skip_pipeline else frameworks):
@@ -510,7 +490,7 @@ def _print(report: dict) -> None:
                 print(f"    {name} = {value:.3f}  [{low:.3f}, {high:.3f}] at {m['interval_coverage']:.0%} "
                       f"(rounds: {rounds})")
             if "sharded" in m:
-                _print_sharded(model, m, t["np"])
+                bench_sharded.print_table(model, m, t["np"])
     for framework, p in report.get("pipeline", {}).items():
         print(f"\n{framework} input pipeline, {p['samples']} files' samples (samples/s per rank, median; hvdp's "
               f"shard against the hand-written pipeline)")
@@ -542,30 +522,6 @@ def _print(report: dict) -> None:
             print("  " + impl.ljust(12) + "".join(
                 f"{_human(int(n)):>6} {us:7.0f}" + (f" ({a['latency_vs_mpi4py'][impl][n]:5.1f}x)"
                                                      if "latency_vs_mpi4py" in a else "") for n, us in by.items()))
-
-
-def _print_sharded(model: str, m: dict, np_: int) -> None:
-    """The sharded optimizer state's table: rank 0's memory per implementation, and issue 34's targets."""
-    mib = 1 << 20
-    print(f"  {model}: memory of rank 0, MiB (state and gradients: the tensors that exist after a step; peak RSS "
-          f"rise: the resident set's peak over the run above it before the optimizer; anon: RssAnon's rise at "
-          f"the end)")
-    print(f"    {'impl':<17} {'opt state':>9} {'grads':>8} {'peak RSS':>9} {'anon':>8} {'samples/s':>10}")
-    for impl, mem in m["memory"].items():
-        if impl in m["samples_per_sec_per_rank"]:
-            print(f"    {impl:<17} {mem['optimizer_state_bytes'] / mib:9.1f} {mem['gradient_bytes'] / mib:8.1f} "
-                  f"{mem['peak_rss_rise_bytes'] / mib:9.1f} {mem['anon_rise_bytes'] / mib:8.1f} "
-                  f"{m['samples_per_sec_per_rank'][impl]:10.0f}")
-    s = m["sharded"]
-    ratio = s["state_bytes_ratio"]
-    print(f"    optimizer state hvdp-sharded/hvdp = {ratio['hvdp-sharded/hvdp']:.3f} (target <= 1/{np_} + 5% = "
-          f"{s['state_bytes_bound']:.3f}: {'met' if s['state_bytes_met'] else 'NOT met'}); ddp-zero/ddp = "
-          f"{ratio['ddp-zero/ddp']:.3f}; gradients hvdp-sharded/hvdp = "
-          f"{s['gradient_bytes_ratio']['hvdp-sharded/hvdp']:.3f}, ddp-zero/ddp = "
-          f"{s['gradient_bytes_ratio']['ddp-zero/ddp']:.3f}")
-    for name, r in s["throughput"].items():
-        print(f"    {name} = {r['ratio']:.3f} [{r['interval'][0]:.3f}, {r['interval'][1]:.3f}] (target >= "
-              f"{r['least']}: {'met' if r['met'] else 'NOT met'})")
 
 
 def _human(n: int) -> str:

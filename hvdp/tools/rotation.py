@@ -35,6 +35,7 @@ class Job:
     procs: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)  # every process of the job, launchers included
+    final: bool = False  # its last repetition has been handed to it: its processes may end (exit 0) from then
 
 
 def interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
@@ -93,6 +94,7 @@ def rotate(jobs: list[Job], rounds: int, directory: Path, *, start_timeout: floa
             for job in jobs[first:] + jobs[:first]:
                 if log and r != "warmup":
                     log(f"round {r + 1}/{rounds}: {job.name}")
+                job.final = r == rounds - 1
                 records = _turn(jobs, job, r, directory, turn_timeout)
                 if r != "warmup":
                     results[job.name].append(records)
@@ -116,9 +118,14 @@ def _wait_for(jobs: list[Job], job: Job, done, what: str, timeout: float) -> Non
     while not done():
         for other in jobs:
             for proc, log_path in zip(other.procs, other.logs):
-                if proc.poll() is not None:
+                # A worker ends after its last repetition, maybe before the coordinator stops it: then exit 0
+                # is not a failure (unless the job we wait for has ended without its results: below)
+                if proc.poll() is not None and not (proc.returncode == 0 and other.final):
                     raise RuntimeError(f"benchmark job {other.name} exited ({proc.returncode}) while waiting for "
                                        f"{job.name} {what}: {' '.join(proc.args)}\n{_tail(log_path)}")
+        if all(p.poll() is not None for p in job.procs) and not done():
+            raise RuntimeError(f"benchmark job {job.name} ended without {what.removeprefix('to ')}: "
+                               f"{' '.join(job.procs[0].args)}\n{_tail(job.logs[0])}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"benchmark job {job.name} did not get {what} within {timeout:.0f} s: "
                                f"{' '.join(job.procs[0].args)}\n{_tail(job.logs[0])}")

@@ -254,10 +254,8 @@ def clip_grad_norm_is_the_global_norm(tmp):
 def reduce_scatter_overlaps_the_backward_pass(tmp):
     # Counted, not timed: with k=2 no bucket starts in the first pass; in the second, the buckets of the last
     # layers have started their reduce-scatter when the first layer's gradient is computed, and not all have.
-    # Eager, and through hvdp_torch.compile with its graph split per layer (whole, every gradient would come
-    # at the end of the backward pass).
-    for compiled in (False, True):
-        _overlaps(compiled)
+    # (through hvdp_torch.compile too: in bf16_parameters_and_compile_compose)
+    _overlaps(compiled=False)
 
 
 def _overlaps(compiled):
@@ -297,7 +295,10 @@ def bf16_parameters_and_compile_compose(tmp):
     """bf16 parameters (bf16 buckets and optimizer state) and hvdp_torch.compile, each and together: the replicas
     agree; the sharded run is the allreduce path's (float32: bit for bit at 2 ranks; bf16: no further from it
     than it is from float32, see BF16_TOL) and near the float32 one-process run (SGD, where an average taken as
-    a sum would double the steps; AdamW)."""
+    a sum would double the steps; AdamW). Compiled with its graph split per layer, the buckets of the last
+    layers start reducing before the first layer's gradient exists, as eagerly (compiled whole, every gradient
+    would come at the end of the backward pass)."""
+    _overlaps(compiled=True)
     for config, dtype, compiled in (("sgd_momentum", torch.bfloat16, False), ("sgd_momentum", torch.float32, True),
                                     ("sgd_momentum", torch.bfloat16, True), ("adamw_resume", torch.bfloat16, False)):
         what = f"{config}, {dtype}, {'compiled' if compiled else 'eager'}"
@@ -438,6 +439,40 @@ def checkpoint_holds_the_full_unsharded_state(tmp):
                     assert v.shape == b["state"][i][k].shape and v.dtype == b["state"][i][k].dtype, (i, k)
                     _same_as_allreduce(v, b["state"][i][k], f"{config} state[{i}][{k!r}]",
                                        bitwise=not CONFIGS[config][2])
+
+
+@check
+def checkpoint_without_streaming_holds_what_the_streamed_one_holds(tmp):
+    """A torch without torch.serialization.skip_data (< 2.6), or a system without /proc: save_checkpoint gathers
+    the whole state on rank 0 and torch.saves it instead of streaming it. The two files hold the same model
+    and optimizer state, bit for bit, and each loads into the other kind of run alike."""
+    import hvdp.torch.checkpoint as checkpoint
+    model, opt = _hvdp("adam_clip_accumulate", range(3), shard=True)
+    ht.save_checkpoint(tmp / "streamed", model, opt, epoch=1, step=0, global_step=3)
+    can_stream = checkpoint._can_stream
+    checkpoint._can_stream = lambda: False
+    try:
+        ht.save_checkpoint(tmp / "gathered", model, opt, epoch=1, step=0, global_step=3)
+    finally:
+        checkpoint._can_stream = can_stream
+    if world.rank == 0:
+        a, b = (torch.load(tmp / d / "ckpt-00000003.pt", weights_only=True) for d in ("streamed", "gathered"))
+        assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k])
+                                                             for k in a["model"])
+        assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+        assert sorted(a["optimizer"]["state"]) == sorted(b["optimizer"]["state"]) == list(range(4))
+        for i, entry in a["optimizer"]["state"].items():
+            assert sorted(entry) == sorted(b["optimizer"]["state"][i]), i
+            for k, v in entry.items():
+                assert torch.equal(v, b["optimizer"]["state"][i][k]), (i, k)
+    for d in ("streamed", "gathered"):
+        again, again_opt = _hvdp("adam_clip_accumulate", range(0), shard=True)
+        assert ht.load_checkpoint(tmp / d, again, again_opt)["global_step"] == 3
+        _hvdp("adam_clip_accumulate", range(3, 5), shard=True, model=again, opt=again_opt)
+        if d == "streamed":
+            first = _flat(again)
+        else:
+            _same_rerun(_flat(again), first, "resumed from the gathered file, against from the streamed one")
 
 
 @check
