@@ -30,8 +30,8 @@ def main():
                            shard_optimizer_state=args.shard)
     loader = ht.shard(data, batch_size=args.batch_size)
     state = ht.ElasticState(model, optimizer, loader, seen={}, sizes=[], lrs={})
-    # --shard: the full optimizer state as committed (gathered on rank 0 just before each commit), and the
-    # number of (re)entries at which rank 0 found the re-sharded state equal to it
+    # --shard: the full optimizer state as committed (gathered on every rank just before each commit), and the
+    # number of (re)entries at which this rank found the re-sharded state equal to it
     committed, rebuilt = [None], [0]
 
     def everywhere():
