@@ -87,7 +87,8 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         else:  # its slices and copies of its keepers' (every rank, at the same commit), or none yet
             optimizer = sharded_elastic.commit_copies(self.optimizer) if collective else None
         return {"model": copy.deepcopy(self.model.state_dict()), "optimizer": optimizer,
-                "groups": _hyperparameters(self.optimizer), "schedule": (s.step, s.size),
+                "groups": _hyperparameters(self.optimizer) if self._sharded else None,  # (else in its state_dict)
+                "schedule": (s.step, s.size),
                 "position": self.sampler.position()}
 
     def save(self) -> None:
