@@ -99,9 +99,13 @@ apply_fixes() {
     # waited out the rest of a cycle (1.07 ms at 4 KiB against mpi4py's 3.8 us, np=2). A cycle now starts as
     # soon as a tensor that no negotiation has taken yet is enqueued (at once if one came during the last
     # cycle); tensors that come while a cycle negotiates or runs are taken together by the next one and fuse.
-    # HVDP_PROMPT_START=0 turns it off (fix 12 alone), for measuring both side by side.
+    # A rank whose tensor waits for a late peer starts its next cycle at once too, so that the peer's cycle,
+    # which starts when it enqueues that tensor, does not wait for this rank's cycle time (whole runs of
+    # 200 ms waits were seen with a 200 ms cycle). HVDP_PROMPT_START=0 turns it off (fix 12 alone), for
+    # measuring both side by side.
     patch -s -p1 -d "$1" < "$csrc/patches/prompt_start.patch"
-    grep -q 'uint64_t consumed = ConsumedCount();' "$1/horovod/common/operations.cc" || { echo "prompt start patch failed" >&2; exit 1; }
+    grep -q 'uint64_t consumed = ConsumedCount();' "$1/horovod/common/operations.cc" \
+        && grep -q 'state.awaiting_peer = waiting' "$1/horovod/common/operations.cc" || { echo "prompt start patch failed" >&2; exit 1; }
     # Addition (not a repair): hvdp's shared-memory allreduce for ranks on one host, tried before MPI's.
     # csrc/horovod/shm_operations.cc says how it works; it is off unless HVDP_SHM_ALLREDUCE=1.
     cp "$csrc/shm_operations.h" "$csrc/shm_operations.cc" "$1/horovod/common/ops/"

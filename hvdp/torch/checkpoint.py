@@ -20,7 +20,8 @@ from hvdp.core.errors import CheckpointError
 from hvdp.core.scaling import lr_multiplier
 from hvdp.torch.optimizer import _rescale_groups, _rescale_scheduler_states
 from hvdp.torch.runtime import _plain, hvd
-from hvdp.torch.sharded import ShardedOptimizer, Streamed
+from hvdp.torch.sharded import ShardedOptimizer
+from hvdp.torch.sharded_state import Streamed
 
 
 def _fingerprint(model: torch.nn.Module) -> str:

@@ -18,7 +18,8 @@ import torch
 
 from hvdp.core.errors import CheckpointError
 from hvdp.torch.runtime import hvd
-from hvdp.torch.sharded import ShardedOptimizer, is_per_element, split
+from hvdp.torch.sharded import ShardedOptimizer, split
+from hvdp.torch.sharded_state import is_per_element
 
 
 def keepers(hosts: list[str]) -> list[int]:

@@ -27,6 +27,9 @@ p.add_argument("--seconds", type=float, default=8.0)
 p.add_argument("--prompt", type=int, default=0,
                help="instead: time this many small allreduces one after another, rank 1 late by a random "
                     "0-2 ms before every other one; prints {\"prompt\": seconds, \"count\": N, \"sum_ok\": bool}")
+p.add_argument("--late-peer", type=int, default=0,
+               help="instead: time this many allreduces, each with one rank (rank i %% size) arriving 5-300 ms "
+                    "after the others; prints {\"late_wait\": [seconds the late rank waited in each], ...}")
 args = p.parse_args()
 
 world = ht.init()
@@ -51,6 +54,29 @@ if args.prompt:
     if world.rank == 0:
         print("result: " + json.dumps({"prompt": [e[0] for e in every], "sum_ok": all(e[1] for e in every),
                                        "count": args.prompt}), flush=True)
+    sys.exit(0)
+
+if args.late_peer:
+    # The ranks that came first are waiting in the allreduce, so it can complete as soon as the late rank
+    # enqueues its tensor: the late rank waits in it for an allreduce's time, not for a cycle. Before the
+    # fix, when the late rank's cycle ran while the others waited (its cycle time was up), it ran without the
+    # tensor, and the late rank's own enqueue then waited for the others' next cycle: up to a whole cycle.
+    # Lateness of 5-300 ms with a 200 ms cycle puts a cycle of the late rank inside the wait most times.
+    late = 5e-3 + torch.rand(args.late_peer, generator=torch.Generator().manual_seed(2)) * 0.295
+    waits, ok = [], True
+    for i in range(args.late_peer):
+        is_late = world.rank == i % world.size
+        if is_late:
+            time.sleep(float(late[i]))
+        start = time.perf_counter()
+        out = hvd.allreduce(torch.full((256,), float(world.rank + i)), op=hvd.Sum, name=f"late_peer.{i}")
+        if is_late:
+            waits.append(time.perf_counter() - start)
+        ok &= bool((out == sum(r + i for r in range(world.size))).all())
+    every = hvd.allgather_object((waits, ok), name="late_peer")
+    if world.rank == 0:
+        print("result: " + json.dumps({"late_wait": [w for e in every for w in e[0]],
+                                       "sum_ok": all(e[1] for e in every)}), flush=True)
     sys.exit(0)
 
 hvd.allreduce(torch.ones(1), name="before.late")
