@@ -101,8 +101,8 @@ apply_fixes() {
     # cycle); tensors that come while a cycle negotiates or runs are taken together by the next one and fuse.
     # A rank whose tensor waits for a late peer starts its next cycle at once too, so that the peer's cycle,
     # which starts when it enqueues that tensor, does not wait for this rank's cycle time (whole runs of
-    # 200 ms waits were seen with a 200 ms cycle). HVDP_PROMPT_START=0 turns it off (fix 12 alone), for
-    # measuring both side by side.
+    # 200 ms waits were seen with a 200 ms cycle); where every rank waits so (a stall), cycles keep their
+    # time instead of spinning. HVDP_PROMPT_START=0 turns it off (fix 12 alone), for measuring both.
     patch -s -p1 -d "$1" < "$csrc/patches/prompt_start.patch"
     grep -q 'uint64_t consumed = ConsumedCount();' "$1/horovod/common/operations.cc" \
         && grep -q 'state.awaiting_peer = waiting' "$1/horovod/common/operations.cc" || { echo "prompt start patch failed" >&2; exit 1; }

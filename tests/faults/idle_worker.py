@@ -30,6 +30,9 @@ p.add_argument("--prompt", type=int, default=0,
 p.add_argument("--late-peer", type=int, default=0,
                help="instead: time this many allreduces, each with one rank (rank i %% size) arriving 5-300 ms "
                     "after the others; prints {\"late_wait\": [seconds the late rank waited in each], ...}")
+p.add_argument("--different-collectives", action="store_true",
+               help="instead: each rank waits in an allreduce of a name no other rank enqueues (a stall) for "
+                    "--seconds, then enqueues the others' too; each prints {\"stall_cpu\": cpu s, \"rank\": r}")
 args = p.parse_args()
 
 world = ht.init()
@@ -54,6 +57,27 @@ if args.prompt:
     if world.rank == 0:
         print("result: " + json.dumps({"prompt": [e[0] for e in every], "sum_ok": all(e[1] for e in every),
                                        "count": args.prompt}), flush=True)
+    sys.exit(0)
+
+if args.different_collectives:
+    # Every rank waits for a tensor that another has not enqueued, so each is "waiting for a late peer" (fix
+    # 13 starts such a rank's next cycle at once) and none comes: the cycles must keep their time, not spin.
+    # After the window a thread enqueues the other ranks' tensors too, and every allreduce completes.
+    import threading
+
+    def measure():
+        start = time.process_time()
+        time.sleep(args.seconds)
+        used = time.process_time() - start
+        handles = [hvd.allreduce_async(torch.ones(4), name=f"stall.{r}") for r in range(world.size) if r != world.rank]
+        for h in handles:
+            hvd.synchronize(h)
+        print("result: " + json.dumps({"stall_cpu": used, "rank": world.rank}), flush=True)
+
+    thread = threading.Thread(target=measure)
+    thread.start()
+    hvd.allreduce(torch.ones(4), name=f"stall.{world.rank}")
+    thread.join()
     sys.exit(0)
 
 if args.late_peer:
