@@ -327,7 +327,8 @@ def bf16_parameters_and_compile_compose(tmp):
 BF16_TOL = 0.02
 
 
-AMP_STEPS, OVERFLOW = 5, 2  # the step at which one rank's gradient overflows
+AMP_STEPS = 7
+BAD = {2: math.inf, 4: math.nan, 5: -math.inf}  # the steps at which one rank's gradient overflows, and how
 
 
 class _Scalar(nn.Module):
@@ -343,8 +344,8 @@ class _Scalar(nn.Module):
 
 def _amp(make, shard):
     """docs/pytorch.md's AMP recipe (fp16 autocast, GradScaler, unscale after the reduction) for AMP_STEPS steps;
-    at step OVERFLOW the last rank's gradient of the first parameter's first element is inf, before the
-    reduction: the averaged gradient's inf lands in rank 0's shard only. Returns (model, per step: every rank's
+    at each step of BAD the last rank's gradient of the first parameter's first element is that value (inf,
+    NaN, -inf), before the reduction: the averaged gradient's one lands in rank 0's shard only. Returns (model, per step: every rank's
     found_inf, whether the weights moved, the scale after update())."""
     torch.manual_seed(world.rank)
     model = make()
@@ -354,9 +355,9 @@ def _amp(make, shard):
     step = [0]
 
     def overflow(grad):
-        if step[0] == OVERFLOW and world.rank == world.size - 1:
+        if step[0] in BAD and world.rank == world.size - 1:
             grad = grad.clone()
-            grad.view(-1)[0] = math.inf
+            grad.view(-1)[0] = BAD[step[0]]
         return grad
     handle = first.register_hook(overflow)
     found, moved, scales = [], [], []
@@ -389,18 +390,18 @@ def _amp(make, shard):
 
 @check
 def amp_overflow_in_one_shard_skips_on_every_rank(tmp):
-    # An inf/NaN in one rank's shard of the averaged gradients only: every rank's GradScaler must see it, skip
+    # An inf, a NaN, a -inf in one rank's shard of the averaged gradients only: every rank's GradScaler must see it, skip
     # that step and back off its scale alike; the replicas stay bit-identical, and the run is the allreduce
     # path's (whose every rank sees the inf). _Scalar: the ranks without a single element must skip too.
     for make in (Net, _Scalar):
         plain, plain_found, plain_moved, plain_scales = _amp(make, shard=False)
         model, found, moved, scales = _amp(make, shard=True)
-        expected = [float(t == OVERFLOW) for t in range(AMP_STEPS)]
+        expected = [float(t in BAD) for t in range(AMP_STEPS)]
         assert found == plain_found == expected, (make.__name__, found, plain_found)
-        assert moved == plain_moved == [t != OVERFLOW for t in range(AMP_STEPS)], (make.__name__, moved)
+        assert moved == plain_moved == [t not in BAD for t in range(AMP_STEPS)], (make.__name__, moved)
         everyone = hvd.allgather_object(scales, name=f"amp.scales.{make.__name__}")
         assert all(s == scales for s in everyone), (make.__name__, everyone)
-        assert scales == plain_scales and scales[OVERFLOW] < scales[OVERFLOW - 1], (make.__name__, scales)
+        assert scales == plain_scales and all(scales[t] < scales[t - 1] for t in BAD), (make.__name__, scales)
         _same_as_allreduce(_flat(model), _flat(plain), f"{make.__name__}: AMP sharded vs the allreduce path")
 
 
