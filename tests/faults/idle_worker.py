@@ -13,6 +13,7 @@ there (issue 37).
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,7 +64,6 @@ if args.different_collectives:
     # Every rank waits for a tensor that another has not enqueued, so each is "waiting for a late peer" (fix
     # 13 starts such a rank's next cycle at once) and none comes: the cycles must keep their time, not spin.
     # After the window a thread enqueues the other ranks' tensors too, and every allreduce completes.
-    import threading
 
     def measure():
         start = time.process_time()
