@@ -1,5 +1,5 @@
 """hvdp bench's turn-taking (hvdp/tools/rotation.py with benchmarks/turns.py), on small real processes: one job
-runs at a time, a stopped job burns no CPU even with a spinning thread, each round starts with another job,
+runs at a time, a stopped job burns no CPU even with a spinning thread, the rounds' order is balanced,
 a failing job is named and nothing is left running; and the median interval against its definition."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_one_job_at_a_time_rounds_rotate_and_a_stopped_job_burns_nothing(tmp_pat
     jobs_in_order = [name for _, _, name, _ in turns]
     for (s1, e1, n1, _), (s2, e2, n2, _) in itertools.pairwise(turns):
         assert n1 == n2 or e1 <= s2, f"{n1} and {n2} ran at once: {turns}"
-    # round r starts with job r mod 3: a, b, independent / b, independent, a / independent, a, b
+    # round r runs round_order(3, r): a, b, independent / b, independent, a / independent, a, b
     firsts = [jobs_in_order[i] for i in (0, 4, 8)]  # the independent job's two processes count twice
     assert firsts == ["a", "b", "independent"], jobs_in_order
     # job a spins a thread (one core while it runs, the GIL shared with its main thread): while stopped it gets
@@ -74,6 +74,19 @@ def test_one_job_at_a_time_rounds_rotate_and_a_stopped_job_burns_nothing(tmp_pat
     wall = turns[-1][1] - turns[0][0]
     assert wall > 5 and last["cpu"] < 0.35 * wall, (last["cpu"], wall)
     assert not [p for job in jobs for p in job.procs if p.poll() is None]
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_every_job_follows_every_other_equally_often_and_takes_every_place(n):
+    rows = [rotation.round_order(n, r) for r in range(2 * n)]
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    after = {(a, b): 0 for a in range(n) for b in range(n) if a != b}
+    for row in rows:
+        for a, b in itertools.pairwise(row):
+            after[a, b] += 1
+    assert set(after.values()) <= {2}, after  # b right after a in exactly 2 of every 2n rounds, for each pair
+    assert all(sorted(row[i] for row in rows) == sorted(list(range(n)) * 2) for i in range(n))
+    assert rows == [rotation.round_order(n, r + 2 * n) for r in range(2 * n)]  # and so on, every 2n rounds
 
 
 def test_a_failed_job_is_named_and_nothing_is_left_running(tmp_path):

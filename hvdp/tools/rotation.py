@@ -60,12 +60,25 @@ def interval(values: list[float], confidence: float = 0.95) -> tuple[float, floa
     return xs[k - 1], xs[n - k], coverage(k)
 
 
+def round_order(n: int, r: int) -> list[int]:
+    """Round r's order of n jobs: row r mod 2n of a Williams design (a Latin square balanced for the job that
+    goes before). Over any 2n consecutive rounds each ordered pair (a, b) is adjacent, b right after a,
+    equally often (twice), and each job is in each place twice. So a job's repetition does not always come
+    after the same other job's, whose leftovers (caches, memory, a frequency) would otherwise bias one
+    implementation against another; a plain rotation (a b c, b c a, ...) puts b after a in all but 1 round of n.
+    """
+    base = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
+    row = [(b + r) % n for b in base]
+    return row[::-1] if (r // n) % 2 else row  # the mirrored rows: for odd n the square alone is not balanced
+
+
 def rotate(jobs: list[Job], rounds: int, directory: Path, *, start_timeout: float = 600,
            turn_timeout: float = 300, log=None) -> dict[str, list[list[dict]]]:
     """Start every job, let each take a warm-up turn, then `rounds` rounds of one repetition per job.
 
-    Round r starts with job r mod len(jobs) (then in the given order, wrapping around), so that no job always
-    follows the same other one. Returns job name -> per round, the records its writers wrote.
+    Round r runs the jobs in `round_order(len(jobs), r)`: each job follows every other one equally often, and
+    takes every place in a round equally often (over 2n rounds). Returns job name -> per round, the records
+    its writers wrote.
 
     Raises:
         RuntimeError: a job exited or failed to report within the timeouts (with its output's tail).
@@ -90,8 +103,7 @@ def rotate(jobs: list[Job], rounds: int, directory: Path, *, start_timeout: floa
             _signal(job, signal.SIGSTOP)
         results: dict[str, list[list[dict]]] = {job.name: [] for job in jobs}
         for r in ["warmup", *range(rounds)]:
-            first = 0 if r == "warmup" else r % len(jobs)
-            for job in jobs[first:] + jobs[:first]:
+            for job in (jobs if r == "warmup" else [jobs[i] for i in round_order(len(jobs), r)]):
                 if log and r != "warmup":
                     log(f"round {r + 1}/{rounds}: {job.name}")
                 job.final = r == rounds - 1
