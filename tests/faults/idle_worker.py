@@ -44,6 +44,16 @@ hvd = ht.hvd
 hvd.allreduce(torch.ones(1024), name="warm")
 time.sleep(1)  # the start-up's threads settle
 
+
+def allreduce_of(i: int, numel: int, name: str) -> torch.Tensor:
+    """The sum over ranks of each rank's rank + i, numel elements (checked by `is_sum`)."""
+    return hvd.allreduce(torch.full((numel,), float(world.rank + i)), op=hvd.Sum, name=name)
+
+
+def is_sum(out: torch.Tensor, i: int) -> bool:
+    return bool((out == sum(r + i for r in range(world.size))).all())
+
+
 if args.prompt:
     # A cycle starts when a tensor is enqueued (fix 13): with a cycle far longer than an allreduce, N in a
     # row take N allreduces' time, not N cycles. Every other time rank 1 arrives late by up to 2 ms; the
@@ -54,8 +64,7 @@ if args.prompt:
     for i in range(args.prompt):
         if world.rank == 1:
             time.sleep(float(delays[i]))
-        out = hvd.allreduce(torch.full((1024,), float(world.rank + i)), op=hvd.Sum, name=f"prompt.{i}")
-        ok &= bool((out == sum(r + i for r in range(world.size))).all())
+        ok &= is_sum(allreduce_of(i, 1024, f"prompt.{i}"), i)
     seconds = time.perf_counter() - start
     every = hvd.allgather_object((seconds, ok), name="prompt")
     if world.rank == 0:
@@ -73,10 +82,10 @@ if args.back_to_back:
         if i % 4 == 0 and world.rank == 1:
             time.sleep(float(late[i]))
         start = time.perf_counter()
-        out = hvd.allreduce(torch.full((1024,), float(world.rank + i)), op=hvd.Sum, name=f"back_to_back.{i % 8}")
+        out = allreduce_of(i, 1024, f"back_to_back.{i % 8}")
         if i % 4:
             times.append(time.perf_counter() - start)
-        ok &= bool((out == sum(r + i for r in range(world.size))).all())
+        ok &= is_sum(out, i)
     every = hvd.allgather_object((times, ok), name="back_to_back")
     if world.rank == 0:
         print("result: " + json.dumps({"seconds": [e[0] for e in every], "sum_ok": all(e[1] for e in every)}),
@@ -116,10 +125,10 @@ if args.late_peer:
         if is_late:
             time.sleep(float(late[i]))
         start = time.perf_counter()
-        out = hvd.allreduce(torch.full((256,), float(world.rank + i)), op=hvd.Sum, name=f"late_peer.{i}")
+        out = allreduce_of(i, 256, f"late_peer.{i}")
         if is_late:
             waits.append(time.perf_counter() - start)
-        ok &= bool((out == sum(r + i for r in range(world.size))).all())
+        ok &= is_sum(out, i)
     every = hvd.allgather_object((waits, ok), name="late_peer")
     if world.rank == 0:
         print("result: " + json.dumps({"late_wait": [w for e in every for w in e[0]],

@@ -456,15 +456,15 @@ def checkpoint_without_streaming_holds_what_the_streamed_one_holds(tmp):
         ht.save_checkpoint(tmp / "gathered", model, opt, epoch=1, step=0, global_step=3)
     finally:
         checkpoint._can_stream = can_stream
-    resumed = {}
+    steps, weights = {}, {}
     for d in ("streamed", "gathered"):
         again, again_opt = _hvdp("adam_clip_accumulate", range(0), shard=True)
-        resumed[d] = ht.load_checkpoint(tmp / d, again, again_opt)["global_step"]
+        steps[d] = ht.load_checkpoint(tmp / d, again, again_opt)["global_step"]
         _hvdp("adam_clip_accumulate", range(3, 5), shard=True, model=again, opt=again_opt)
-        resumed[d, "weights"] = _flat(again)
+        weights[d] = _flat(again)
     # after every collective: a failure here leaves no rank waiting
-    assert resumed["streamed"] == resumed["gathered"] == 3, resumed
-    _same_rerun(resumed["gathered", "weights"], resumed["streamed", "weights"],
+    assert steps["streamed"] == steps["gathered"] == 3, steps
+    _same_rerun(weights["gathered"], weights["streamed"],
                 "resumed from the gathered file, against from the streamed one")
     if world.rank == 0:
         a, b = (torch.load(tmp / d / "ckpt-00000003.pt", weights_only=True) for d in ("streamed", "gathered"))
