@@ -70,6 +70,7 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
         self._sharded = isinstance(optimizer, ShardedOptimizer)
         self._reshard = False  # a reset happened: the sharded state is rebuilt when training is entered again
+        self._serial = 0  # sharded: the count of commits, agreed by every rank at each entry (sharded_elastic)
         schedule.on_step = sampler.record_steps
         self._snapshot = self._take(collective=False)
         super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, root_rank=0, name="hvdp.elastic"),
@@ -84,8 +85,11 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         s = self.optimizer.hvdp_schedule
         if not self._sharded:
             optimizer = copy.deepcopy(self.optimizer.state_dict())
-        else:  # its slices and copies of its keepers' (every rank, at the same commit), or none yet
-            optimizer = sharded_elastic.commit_copies(self.optimizer) if collective else None
+        elif collective:  # its slices and copies of its keepers' (every rank, at the same commit)
+            self._serial += 1
+            optimizer = sharded_elastic.commit_copies(self.optimizer, self._serial)
+        else:
+            optimizer = None  # none yet
         return {"model": copy.deepcopy(self.model.state_dict()), "optimizer": optimizer,
                 "groups": _hyperparameters(self.optimizer) if self._sharded else None,  # (else in its state_dict)
                 "schedule": (s.step, s.size),
@@ -155,12 +159,14 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         """elastic_run calls it on every rank each time training is entered, after sync() or a reset that
         skipped it. With a sharded optimizer: if a reset happened on any rank, lay the shards out for this
         world and rebuild their state from the last commit (sharded_elastic.reshard), then commit, so that a
-        failure before the next commit rolls back to this state."""
+        failure before the next commit rolls back to this state. The ranks' commit counts are made equal here
+        (a worker lost mid-commit can leave one rank a commit ahead; a joined worker has none)."""
         if not self._sharded:
             return
-        if any(hvd.allgather_object(self._reshard, name="hvdp.elastic.reshard")):
+        every = hvd.allgather_object((self._reshard, self._serial), name="hvdp.elastic.reshard")
+        if any(reshard for reshard, _ in every):
             sharded_elastic.reshard(self.optimizer, self._snapshot["optimizer"] if self._reshard else None)
-        self._reshard = False
+        self._reshard, self._serial = False, max(serial for _, serial in every)
         self._snapshot = self._take()
 
 

@@ -8,6 +8,11 @@ commit holds 2/N of the state where the unsharded ElasticState holds all of it. 
 the new world (survivors and newly started workers) calls reshard(): the buckets are laid out for the new
 world, and each bucket's state is rebuilt from the committed slices, one bucket and key at a time, each slice
 broadcast by the survivor that holds it, every rank keeping its new slice.
+
+A worker lost in the middle of a commit can leave the survivors holding different commits: a collective that
+completed on one rank failed on another. Each commit therefore carries a serial (ElasticState's count), and
+the state is rebuilt only from slices of the commit rank 0 holds, the one whose model and data position sync()
+gives every rank; a slice held by no rank at that serial is an error, never a mix of two commits.
 """
 
 from __future__ import annotations
@@ -65,10 +70,10 @@ def _merged(every: list[list[dict]]) -> list[dict]:
     return merged
 
 
-def commit_copies(opt: ShardedOptimizer) -> dict:
+def commit_copies(opt: ShardedOptimizer, serial: int = 0) -> dict:
     """What this rank keeps at a commit: its own slices and those of the ranks it keeps (the per-element state
-    of each bucket, gathered one bucket and key at a time), and the description of every bucket's state.
-    Every rank must call it, at the same commit."""
+    of each bucket, gathered one bucket and key at a time), the description of every bucket's state, and
+    `serial`, the same on every rank for the same commit. Every rank must call it, at the same commit."""
     size, rank = opt._size, opt._rank
     mine = _described(opt)
     if size > 1:
@@ -90,45 +95,67 @@ def commit_copies(opt: ShardedOptimizer) -> dict:
                 start, length = b.slices[r]
                 slices[r][i][key] = full[start:start + length].detach().cpu().clone()
             del full
-    return {"size": size, "slices": slices, "buckets": buckets}
+    return {"size": size, "serial": serial, "slices": slices, "buckets": buckets}
+
+
+def sources(summaries: list[tuple | None], rank: int = 0) -> tuple[int, dict[int, int]]:
+    """Which commit to rebuild and who sends each slice of it, from every new rank's (world size, serial,
+    former ranks whose slices it holds), or None for a rank that holds no commit: (the former world size,
+    {former rank: the lowest new rank holding its slice at that commit}). The commit is rank 0's (the others
+    take its model and data position in sync()), else the newest any rank holds.
+
+    Raises:
+        CheckpointError: the ranks hold commits of different world sizes, or some former rank's slice is held
+            by no rank at that commit (a rank and its keeper both lost, or a worker lost mid-commit).
+    """
+    held = [s for s in summaries if s is not None]
+    sizes = sorted({s[0] for s in held})
+    if len(sizes) > 1:
+        raise CheckpointError(f"the ranks hold elastic commits of different world sizes {sizes}: the optimizer "
+                              f"state cannot be rebuilt; resume from a checkpoint", rank=rank)
+    old = sizes[0]
+    serial = summaries[0][1] if summaries[0] is not None else max(s[1] for s in held)
+    holder: dict[int, int] = {}
+    for new_rank, s in enumerate(summaries):
+        for r in (s[2] if s is not None and s[1] == serial else ()):
+            holder.setdefault(r, new_rank)
+    lost = [r for r in range(old) if r not in holder]
+    if lost:
+        behind = sorted({s[1] for s in held} - {serial})
+        others = ", #".join(map(str, behind))
+        why = (f" at the commit rank 0 holds (#{serial}; others hold #{others}: a worker was lost in the middle of "
+               f"a commit)" if behind else
+               ": each rank's slice is kept by itself and by one rank on another host, and both left the job")
+        raise CheckpointError(
+            f"the optimizer state of former rank(s) {lost} of {old} was lost{why}. Resume from a checkpoint "
+            f"(hvdp.torch.save_checkpoint / load_checkpoint)", rank=rank)
+    return old, holder
 
 
 def reshard(opt: ShardedOptimizer, committed: dict | None) -> None:
     """Lay `opt` out for the world there is now and rebuild its state from the commits the ranks hold.
 
     Every rank of the new world must call it, each with its last commit_copies() (None on a worker that
-    joined, or when nothing was committed): the slices of each former rank are broadcast by the lowest new
-    rank that holds them, every rank keeping its new slice; a rank holds one bucket's state of one key at a
-    time besides its shard. The model's parameters must already be the same on every rank (the new shards
-    are taken from them).
+    joined, or when nothing was committed): the slices of each former rank at rank 0's commit are broadcast by
+    the lowest new rank that holds them, every rank keeping its new slice; a rank holds one bucket's state of
+    one key at a time besides its shard. The model's parameters must already be the same on every rank (the
+    new shards are taken from them).
 
     Raises:
-        CheckpointError: on every rank: the slices of some former ranks are held by no rank (a rank and its
-            keeper were both lost), or the ranks hold commits of different world sizes.
+        CheckpointError: on every rank: the slices of some former ranks are held by no rank at the commit
+            rebuilt (a rank and its keeper were both lost, or a worker lost mid-commit left the survivors with
+            different commits: sources()), or the ranks hold commits of different world sizes.
     """
-    summary = None if committed is None else (committed["size"], sorted(committed["slices"]), committed["buckets"])
+    summary = None if committed is None else (committed["size"], committed["serial"], sorted(committed["slices"]),
+                                              committed["buckets"])
     every = hvd.allgather_object(summary, name="hvdp.zero.reshard") if hvd.size() > 1 else [summary]
-    held = [s for s in every if s is not None]
-    if not held:
+    if all(s is None for s in every):
         opt.relayout(hvd.size(), hvd.rank())
         return  # nothing committed yet: the fresh state, as after prepare()
-    sizes = sorted({s[0] for s in held})
-    if len(sizes) > 1:
-        raise CheckpointError(f"the ranks hold elastic commits of different world sizes {sizes}: the optimizer "
-                              f"state cannot be rebuilt; resume from a checkpoint", rank=hvd.rank())
-    old = sizes[0]
-    holder = {}
-    for new_rank, s in enumerate(every):
-        for r in (s[1] if s is not None else ()):
-            holder.setdefault(r, new_rank)
-    lost = [r for r in range(old) if r not in holder]
-    if lost:
-        raise CheckpointError(
-            f"the optimizer state of former rank(s) {lost} of {old} was lost: each rank's slice is kept by itself "
-            f"and by one rank on another host, and both left the job. Resume from a checkpoint "
-            f"(hvdp.torch.save_checkpoint / load_checkpoint)", rank=hvd.rank())
+    old, holder = sources([s[:3] if s is not None else None for s in every], hvd.rank())
+    buckets = every[holder[0]][3]  # the description of the rebuilt commit's buckets
     opt.relayout(hvd.size(), hvd.rank())
-    for i, (b, described) in enumerate(zip(opt._buckets, held[0][2])):
+    for i, (b, described) in enumerate(zip(opt._buckets, buckets)):
         state = {k: v.clone() if torch.is_tensor(v) else v for k, v in described["other"].items()}
         start, length = b.slices[opt._rank]
         for key, dtype in described["per"].items():

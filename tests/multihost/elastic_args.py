@@ -15,6 +15,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--until-readmitted", action="store_true",
                    help="keep training past --epochs until the world has shrunk and grown back")
     p.add_argument("--until-shrunk", action="store_true", help="keep training past --epochs until the world shrank")
+    p.add_argument("--lost-after-save", metavar="FILE",
+                   help="(hvdp.torch) once FILE exists, the worker on hostb exits in its next commit, after the "
+                        "commit was saved on every rank, in its host check; it removes FILE first")
     p.add_argument("--shard", action="store_true",
                    help="(hvdp.torch) shard_optimizer_state=True; check the state rebuilt after each reset")
     return p.parse_args()

@@ -7,12 +7,14 @@ a progress line per step to --progress (the test watches it to act mid-epoch) an
 """
 
 import json
+import os
+import socket
+import time
 
 import torch
 import torch.nn.functional as F
 
 import hvdp.torch as ht
-from horovod.common.exceptions import HostsUpdatedInterrupt
 from elastic_args import parse_args
 
 
@@ -29,10 +31,25 @@ def main():
     optimizer = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
                            shard_optimizer_state=args.shard)
     loader = ht.shard(data, batch_size=args.batch_size)
-    state = ht.ElasticState(model, optimizer, loader, seen={}, sizes=[], lrs={})
     # --shard: the full optimizer state as committed (gathered on every rank just before each commit), and the
     # number of (re)entries at which this rank found the re-sharded state equal to it
-    committed, rebuilt = [None], [0]
+    pending, committed, rebuilt = [None], [None], [0]
+
+    class Recorded(ht.ElasticState):
+        def save(self):
+            """The reference is the commit this rank saved, once saved: a worker lost after that (in the host
+            check state.commit() goes on to) rolls the survivors back to this commit, not the one before."""
+            super().save()
+            committed[0] = pending[0]
+
+        def check_host_updates(self):
+            if args.lost_after_save and socket.gethostname() == "hostb" and os.path.exists(args.lost_after_save):
+                os.unlink(args.lost_after_save)
+                time.sleep(0.5)  # the other rank, its commit saved too, waits in the host check's broadcast
+                os._exit(1)
+            super().check_host_updates()
+
+    state = Recorded(model, optimizer, loader, seen={}, sizes=[], lrs={})
 
     def everywhere():
         """The full optimizer state, gathered on every rank (a test-sized model)."""
@@ -43,13 +60,8 @@ def main():
         return mine
 
     def commit():
-        pending = everywhere() if args.shard else None
-        try:
-            state.commit()
-        except HostsUpdatedInterrupt:  # raised after the commit was saved: it is what the reset starts from
-            committed[0] = pending
-            raise
-        committed[0] = pending
+        pending[0] = everywhere() if args.shard else None
+        state.commit()
 
     def readmitted(sizes):
         return any(a > b < c for a, b, c in zip(sizes, sizes[1:], sizes[2:]))

@@ -116,18 +116,29 @@ def _rebuilt(final: dict, shard: bool, entries: int) -> None:
 
 
 @SHARDED
-def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_path, shard):
+@pytest.mark.parametrize("lost", ["killed", "after_save"])
+def test_elastic_survives_a_killed_worker_and_readmits_its_host(cluster, tmp_path, shard, lost):
     """The killed worker's slice of a sharded optimizer state comes back from the copy its keeper (the
-    survivor, on the other host) committed; the re-admitted worker gets its new slice from the survivor."""
+    survivor, on the other host) committed; the re-admitted worker gets its new slice from the survivor.
+    `killed`: SIGKILL at whatever point the worker is. `after_save`: the worker exits inside a commit, after
+    the commit was saved on both ranks, in the host check state.commit() ends with: the survivor's collective
+    fails there, and it must roll back to that commit (the worker checks its state against it), not the one
+    before."""
     samples = 240
+    trigger = tmp_path / "lose"
     job, out, hosts, log, result = _start(cluster, tmp_path, samples, "--until-readmitted",
-                                          *(["--shard"] if shard else []))
+                                          *(["--shard"] if shard else []),
+                                          *(["--lost-after-save", str(trigger)] if lost == "after_save" else []))
     try:
         # Mid-epoch 1 on two ranks: kill hostb's worker and take hostb out of discovery (the host is lost).
         _wait("two-rank training in epoch 1",
               lambda: any(r["size"] == 2 and r["epoch"] == 1 and r["offset"] >= 40 for r in _log(log)), job, out)
         hosts.write_text("hosta:1\n")
-        _kill_worker(cluster, "hostb")
+        if lost == "killed":
+            _kill_worker(cluster, "hostb")
+        else:
+            trigger.write_text("")
+            _wait("hostb's worker to exit in a commit", lambda: not trigger.exists(), job, out)
         killed_at = len(_log(log))
         _wait("training on the survivor alone",
               lambda: sum(r["size"] == 1 for r in _log(log)[killed_at:]) >= 10, job, out)

@@ -66,3 +66,24 @@ def test_each_slice_is_kept_on_another_host_where_there_is_one():
     assert keepers(["a", "b", "a", "b"]) == [1, 2, 3, 0]
     assert keepers(["a", "a", "a"]) == [1, 2, 0]
     assert keepers(["a"]) == [0]
+
+
+def test_the_state_is_rebuilt_from_rank_0s_commit_only():
+    """sharded_elastic.sources: who sends each former rank's slice after a reset, from each new rank's (former
+    world size, commit serial, slices it holds). A worker lost mid-commit can leave one survivor a commit ahead
+    of another; the slices must all come from rank 0's commit (whose model sync() gives everyone), or none."""
+    from hvdp.core.errors import CheckpointError
+    from hvdp.torch.sharded_elastic import sources
+    # Two of three survive, at the same commit: each slice from the lowest rank holding it.
+    assert sources([(3, 5, [0, 2]), (3, 5, [0, 1])]) == (3, {0: 0, 2: 0, 1: 1})
+    # A joined worker holds none; rank 0 a commit ahead of rank 1, holding every slice itself: from rank 0 only.
+    assert sources([(2, 6, [0, 1]), (2, 5, [0, 1]), None]) == (2, {0: 0, 1: 0})
+    # Rank 0 a commit ahead, and former rank 1's slice held only by a rank one commit behind: refused, not mixed.
+    with pytest.raises(CheckpointError, match=r"former rank\(s\) \[1\] of 3 .*\(#6; others hold #5: a worker was lost"):
+        sources([(3, 6, [0, 2]), (3, 5, [1])], rank=1)
+    # Rank 0 joined (no commit): the newest commit the others hold.
+    assert sources([None, (2, 4, [0]), (2, 5, [0, 1])]) == (2, {0: 2, 1: 2})
+    with pytest.raises(CheckpointError, match=r"former rank\(s\) \[1\] of 3 was lost: each rank's slice is kept"):
+        sources([(3, 5, [0, 2]), None])
+    with pytest.raises(CheckpointError, match=r"different world sizes \[2, 3\]"):
+        sources([(3, 5, [0, 2]), (2, 5, [0, 1])])

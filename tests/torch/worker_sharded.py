@@ -484,7 +484,8 @@ def elastic_reshard_rebuilds_the_state_from_the_keepers_copies(tmp):
     last rank "joins" with no commit, so its slices come from the copies its keeper committed (every rank on
     one host: the next rank), broadcast bucket by bucket (uneven slices, an empty one for the 0-dim bucket);
     the rebuilt state is the state before, bit for bit, and the run goes on as the one never re-sharded.
-    With two neighbouring ranks gone, one slice is held by no rank: the same CheckpointError on every rank."""
+    With two neighbouring ranks gone, one slice is held by no rank: the same CheckpointError on every rank. With
+    rank 0 a commit ahead of the others (a worker lost mid-commit), only rank 0's commit is rebuilt, or refused."""
     from hvdp.torch import sharded_elastic
     config = "adam_clip_accumulate"
     sharded.BUCKET_BYTES = 48  # four buckets, the 0-dim parameter's alone
@@ -516,6 +517,24 @@ def elastic_reshard_rebuilds_the_state_from_the_keepers_copies(tmp):
             assert type(e).__name__ == "CheckpointError" and f"former rank(s) [{world.size - 2}]" in str(e), e
         else:
             raise AssertionError("a slice held by no rank was not refused")
+    # A worker lost mid-commit: rank 0 holds the newer of two commits, the others the older. At np=2 rank 0 holds
+    # every slice of its commit (it keeps rank 1's): that commit is rebuilt. Beyond, former rank 1's slice is held
+    # only at the older one: refused on every rank, never a mix of the two.
+    older = sharded_elastic.commit_copies(opt, 1)
+    _hvdp(config, range(6, 9), shard=True, model=model, opt=opt)
+    newer, expected = sharded_elastic.commit_copies(opt, 2), opt.gathered_state_dict(0)
+    try:
+        sharded_elastic.reshard(opt, newer if world.rank == 0 else older)
+    except Exception as e:
+        assert type(e).__name__ == "CheckpointError" and world.size > 2, e
+        assert "former rank(s) [1]" in str(e) and "(#2; others hold #1: a worker was lost" in str(e), e
+    else:
+        assert world.size == 2, "slices of two different commits were mixed instead of refused"
+        after = opt.gathered_state_dict(0)
+        if world.rank == 0:
+            for i, entry in expected["state"].items():
+                for k, v in entry.items():
+                    assert torch.equal(after["state"][i][k], v), (i, k)
 
 
 @check
