@@ -471,11 +471,16 @@ def checkpoint_without_streaming_holds_what_the_streamed_one_holds(tmp):
         assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k])
                                                              for k in a["model"])
         assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
-        assert sorted(a["optimizer"]["state"]) == sorted(b["optimizer"]["state"]) == list(range(4))
-        for i, entry in a["optimizer"]["state"].items():
-            assert sorted(entry) == sorted(b["optimizer"]["state"][i]), i
-            for k, v in entry.items():
-                assert torch.equal(v, b["optimizer"]["state"][i][k]), (i, k)
+        _bit_identical_state(a["optimizer"], b["optimizer"])
+
+
+def _bit_identical_state(a: dict, b: dict) -> None:
+    """Two full optimizer state dicts of Net (4 parameters) hold the same entries, bit for bit."""
+    assert sorted(a["state"]) == sorted(b["state"]) == list(range(4)), (sorted(a["state"]), sorted(b["state"]))
+    for i, entry in a["state"].items():
+        assert sorted(entry) == sorted(b["state"][i]), (i, sorted(entry), sorted(b["state"][i]))
+        for k, v in entry.items():
+            assert torch.equal(v, b["state"][i][k]), (i, k)
 
 
 @check
@@ -500,11 +505,7 @@ def elastic_reshard_rebuilds_the_state_from_the_keepers_copies(tmp):
     sharded_elastic.reshard(opt, None if world.rank == world.size - 1 else committed)
     after = opt.gathered_state_dict(0)
     if world.rank == 0:
-        assert sorted(after["state"]) == sorted(before["state"]) == list(range(4))
-        for i, entry in before["state"].items():
-            assert sorted(after["state"][i]) == sorted(entry), (i, sorted(after["state"][i]), sorted(entry))
-            for k, v in entry.items():
-                assert torch.equal(after["state"][i][k], v), (i, k)
+        _bit_identical_state(after, before)
     _hvdp(config, range(3, 6), shard=True, model=model, opt=opt)
     _hvdp(config, range(3, 6), shard=True, model=plain, opt=plain_opt)
     _same_rerun(_flat(model), _flat(plain), "re-sharded, against never re-sharded")
@@ -530,11 +531,9 @@ def elastic_reshard_rebuilds_the_state_from_the_keepers_copies(tmp):
         assert "former rank(s) [1]" in str(e) and "(#2; others hold #1: a worker was lost" in str(e), e
     else:
         assert world.size == 2, "slices of two different commits were mixed instead of refused"
-        after = opt.gathered_state_dict(0)
+        after = opt.gathered_state_dict(0)  # (every rank: a collective)
         if world.rank == 0:
-            for i, entry in expected["state"].items():
-                for k, v in entry.items():
-                    assert torch.equal(after["state"][i][k], v), (i, k)
+            _bit_identical_state(after, expected)
 
 
 @check
