@@ -13,11 +13,13 @@ from hvdp.torch.runtime import _plain, hvd
 
 
 def broadcast(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, root_rank: int = 0):
-    """Copy parameters, buffers and (non-empty) optimizer state from `root_rank` to every rank.
+    """Copy parameters, buffers and the optimizer's state and hyperparameters from `root_rank` to every rank.
 
-    A fresh optimizer has no state on any rank, so only its hyperparameters are sent. (Horovod's
-    broadcast_optimizer_state would first take a zero-gradient step to create state, which advances
-    Adam's step count and applies weight decay once: the run would no longer match one process.)
+    What is sent is root_rank's optimizer.state_dict(), whatever the others hold: a rank that restored its
+    state alone (Horovod's resume recipe: rank 0 loads, then broadcasts) gives it to all, and a fresh optimizer
+    sends its hyperparameters only. (Horovod's broadcast_optimizer_state would first take a zero-gradient step
+    on a rank without state, which advances Adam's step count and applies weight decay once: the run would no
+    longer match one process.)
     prepare() already calls it (except under elastic horovodrun, where ElasticState.sync() does).
 
     Every rank must call it, with the same model and optimizer structure.
@@ -31,11 +33,26 @@ def broadcast(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = 
     hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
     if optimizer is None:
         return
-    if optimizer.state_dict()["state"]:
-        hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    for group, values in zip(optimizer.param_groups, hvd.broadcast_object(hyper, root_rank=root_rank, name="hvdp.hyper")):
-        group.update(values)
+    # What is sent is decided by root_rank's optimizer alone: a collective chosen by each rank's own state (a
+    # rank that restored its state before prepare(), the others fresh) would leave the ranks in different
+    # collectives. Its whole state_dict (state and hyperparameters, its tensors on the CPU) in one broadcast;
+    # every other rank loads it (torch's load_state_dict puts each tensor where its parameter is).
+    mine = _on_cpu(optimizer.state_dict()) if hvd.rank() == root_rank else None
+    theirs = hvd.broadcast_object(mine, root_rank=root_rank, name="hvdp.optimizer_state")
+    if hvd.rank() != root_rank:
+        optimizer.load_state_dict(theirs)
+
+
+def _on_cpu(tree):
+    """`tree` (an optimizer's state_dict) with its tensors copied to the CPU, so that the ranks unpickle none onto
+    root's device."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _on_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_on_cpu(v) for v in tree]
+    return tree
 
 
 def barrier() -> None:

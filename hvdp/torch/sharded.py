@@ -1,11 +1,21 @@
 """Sharded optimizer state (ZeRO-1/2) for prepare(..., shard_optimizer_state=True).
 
-The optimizer's parameters are laid out, param group by param group, in flat dtype-homogeneous buckets of up
-to BUCKET_BYTES; each bucket is split across the ranks as Horovod's reducescatter splits a first dimension
-(`numel // N` elements each, the first `numel % N` ranks one more). At step(), each bucket's gradients are
-reduce-scattered (averaged or summed, as the allreduce path would), so a rank receives only its slice; the
-wrapped optimizer, whose param groups now hold one flat shard parameter per bucket, steps that slice (its state
-exists only for it); the updated slices are all-gathered back into the model's parameters.
+Two layouts (hvdp.torch.sharded_layout decides which parameter gets which). An element-wise optimizer (SGD,
+Adam, AdamW, ...: sharded_layout.ELEMENT_WISE) gets flat buckets: the parameters are laid out, param group by
+param group, in flat dtype-homogeneous buckets of up to BUCKET_BYTES; each bucket is split across the ranks as
+Horovod's reducescatter splits a first dimension (`numel // N` elements each, the first `numel % N` ranks one
+more). At step(), each bucket's gradients are reduce-scattered (averaged or summed, as the allreduce path would),
+so a rank receives only its slice; the wrapped optimizer, whose param groups hold one flat shard parameter per
+bucket, steps that slice (its state exists only for it); the updated slices are all-gathered back into the model's
+parameters. Any other optimizer (Adafactor, Muon, a user's class) gets the per-parameter layout: each parameter
+is stepped whole, in its shape, by one rank (ZeroRedundancyOptimizer's greedy balance), which receives its
+all-reduced gradient and broadcasts the updated parameter.
+
+A parameter that no rank used in a step (its gradient None on every rank, agreed in the all-reduce that also
+agrees on inf/NaN) is skipped as torch skips it; one of a flat bucket moves to the per-parameter layout then.
+A parameter that becomes trainable after prepare() (requires_grad_(True)) and the parameters of a group added by
+add_param_group() join the layout (new buckets, or new owners by the same balance), as ZeroRedundancyOptimizer
+re-partitions.
 
 Its state_dict side (the unsharded layout, the streamed checkpoint) is hvdp.torch.sharded_state's.
 """
@@ -14,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +32,11 @@ from hvdp.core.errors import ConfigError
 from hvdp.core.watchdog import WAITING
 from hvdp.torch.optimizer import _counted
 from hvdp.torch.runtime import COMPUTING, hvd
-from hvdp.torch.sharded_state import ShardedStateDict
+from hvdp.torch.sharded_layout import _Bucket, _Owned, _Piece, balance, element_wise, pack, split
+from hvdp.torch.sharded_state import ShardedStateDict, is_per_element
+from hvdp.torch.weights import _Batch, _gradient_hook
+
+__all__ = ["BUCKET_BYTES", "ShardedOptimizer", "split"]
 
 # Per bucket: the unit of the reduce-scatter, the all-gather and the checkpoint gather. A smaller bucket's
 # reduce-scatter starts earlier in the backward pass: on hvdp bench's GPT (10M parameters, AdamW, np=2, MPI),
@@ -31,74 +44,19 @@ from hvdp.torch.sharded_state import ShardedStateDict
 BUCKET_BYTES = 8 * 2**20
 
 
-def split(numel: int, size: int) -> list[tuple[int, int]]:
-    """(start, length) of each rank's slice of `numel` elements: Horovod's reducescatter split of a first
-    dimension (numel // size each, the first numel % size ranks one more)."""
-    base, extra = divmod(numel, size)
-    out, start = [], 0
-    for rank in range(size):
-        length = base + (1 if rank < extra else 0)
-        out.append((start, length))
-        start += length
-    return out
-
-
-@dataclass(slots=True)
-class _Piece:
-    param: torch.Tensor
-    index: int      # the parameter's index in the optimizer's state_dict
-    offset: int     # where it starts in its bucket
-    numel: int
-
-
-@dataclass(slots=True)
-class _Bucket:
-    group: int
-    dtype: torch.dtype
-    pieces: list = field(default_factory=list)
-    numel: int = 0
-    slices: list = field(default_factory=list)  # split(numel, size)
-    shard: torch.nn.Parameter | None = None      # this rank's slice, the parameter the wrapped optimizer steps
-
-    def overlaps(self, start: int, end: int):
-        """(piece, lo, hi): the part [lo, hi) of each piece (in its own flat numbering) within [start, end)."""
-        for p in self.pieces:
-            lo, hi = max(start, p.offset), min(end, p.offset + p.numel)
-            if lo < hi:
-                yield p, lo - p.offset, hi - p.offset
-
-
-def _layout(groups: list, bucket_bytes: int, size: int) -> list[_Bucket]:
-    buckets, index = [], 0
-    for g, params in enumerate(groups):
-        open_ = {}  # dtype -> the group's bucket being filled
-        for p in params:
-            i, index = index, index + 1
-            if not p.requires_grad:
-                continue
-            b = open_.get(p.dtype)
-            if b is None or (b.numel and (b.numel + p.numel()) * p.element_size() > bucket_bytes):
-                b = open_[p.dtype] = _Bucket(group=g, dtype=p.dtype)
-                buckets.append(b)
-            b.pieces.append(_Piece(p, i, b.numel, p.numel()))
-            b.numel += p.numel()
-    for b in buckets:
-        b.slices = split(b.numel, size)
-    return buckets
-
-
 class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
     """What prepare(..., shard_optimizer_state=True) returns: the wrapped optimizer stepping this rank's shard.
 
     Its param_groups are the wrapped optimizer's (same dicts: the learning rates hvdp scales, with one flat
-    shard parameter per bucket as "params"); its state is the shard's only. Every rank must call step(),
-    synchronize(), clip_grad_norm_() and consolidate_state_dict() (collectives), in the same order.
+    shard parameter per bucket and the parameters this rank owns as "params"); its state is the shard's only.
+    Every rank must call step(), synchronize(), clip_grad_norm_(), consolidate_state_dict() and
+    add_param_group() (collectives, or a layout that must stay the same on every rank), in the same order.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule, *, op, compression,
                  bucket_bytes: int | None = None):
-        """Wrap `optimizer` (already broadcast from rank 0): lay its parameters out in buckets and make its
-        param groups step this rank's shard, converting any state it holds.
+        """Wrap `optimizer` (already broadcast from rank 0): lay its parameters out and make its param groups
+        step this rank's shard, converting any state it holds.
 
         Args:
             optimizer: a torch optimizer; its param groups are changed in place.
@@ -106,7 +64,14 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
             op: Horovod's reduction (hvd.Average or hvd.Sum).
             compression: Horovod's gradient compression (hvd.Compression.none or .fp16).
             bucket_bytes: the largest bucket (default BUCKET_BYTES).
+
+        Raises:
+            ConfigError: `optimizer` is torch.optim.LBFGS (its step re-evaluates a closure on the whole model).
         """
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ConfigError("shard_optimizer_state=True cannot shard torch.optim.LBFGS: its step() calls a closure "
+                              "that re-evaluates the loss on the whole model, many times per step; use "
+                              "shard_optimizer_state=False", rank=hvd.rank())
         self._inner, self.hvdp_schedule = optimizer, schedule
         self._op, self._compression = op, compression
         self._rank, self._size = hvd.rank(), hvd.size()
@@ -116,48 +81,178 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         # rank keeps its slice: Gloo's ring all-reduce is a reduce-scatter and an all-gather, so twice the
         # bytes, and the same values as the allreduce path (docs/pytorch.md#sharded-optimizer-state-zero-12).
         self._gloo = self._size > 1 and hvd.gloo_enabled()
+        self._bucket_bytes = bucket_bytes or BUCKET_BYTES
+        self._per_param = not element_wise(optimizer)
         self._groups = [list(g["params"]) for g in optimizer.param_groups]
         self._names = [g.pop("param_names", None) for g in optimizer.param_groups]
         existing = optimizer.state_dict() if optimizer.state else None
-        self._buckets = _layout(self._groups, bucket_bytes or BUCKET_BYTES, self._size)
-        self._make_shards(optimizer.param_groups)
+        self._members = {i for i, p in enumerate(self._params()) if p.requires_grad}  # in the layout
+        self._specs = pack(self._groups, sorted(self._members), self._bucket_bytes)  # the flat buckets' packing
+        self._moved: set[int] = set()   # per parameter for good (flat layout: a parameter once used by no rank)
+        self._owner: dict[int, int] = {}
+        self._buckets: list[_Bucket] = []
+        self._owned: list[_Owned] = []
+        self._stand_in = None  # a 0-element parameter for GradScaler on a rank that steps nothing (_stand_in_grad)
+        self._passes, self._counts, self._pending, self._pending_owned = schedule.passes, {}, {}, {}
+        self._used: set[int] = set()  # the parameters that got a gradient on this rank in this step
+        self.hooks, self._hooked = [], set()
+        self._build(optimizer.param_groups, keep=False)
         optimizer.state.clear()
+        self._ready = False  # torch's __init__ calls add_param_group(): torch's own, until this is set
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups, self.state = optimizer.param_groups, optimizer.state  # the same objects
+        self._ready = True
         self._synchronized, self._consolidated = False, None
-        # Overlap with the backward pass: a bucket's reduce-scatter starts as soon as each of its parameters has
-        # accumulated its k-th gradient (Horovod's counting), and its full gradients are freed then.
-        self._passes, self._counts, self._pending = schedule.passes, {}, {}
-        self._missing = [len(b.pieces) for b in self._buckets]
-        self._bucket_of = {id(piece.param): i for i, b in enumerate(self._buckets) for piece in b.pieces}
-        self.hooks = [piece.param.register_post_accumulate_grad_hook(self._accumulated)
-                      for b in self._buckets for piece in b.pieces]
+        # Overlap with the backward pass: a bucket's reduce-scatter (an owned parameter's all-reduce) starts as
+        # soon as each of its parameters has accumulated its k-th gradient (Horovod's counting), and its full
+        # gradients are freed then.
+        self._hook(sorted(self._members), late=False)
         if existing is not None:
             self.load_state_dict(existing)
 
-    def _make_shards(self, param_groups: list) -> None:
-        """Split each bucket for this world and make this rank's slice of the model's values its shard
-        parameter, the one `param_groups` step."""
+    # ------------------------------------------------------------------------------------------- the layout
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for params in self._groups for p in params]
+
+    def _group_of(self) -> dict[int, int]:
+        return {i: g for i, g in enumerate(g for g, params in enumerate(self._groups) for _ in params)}
+
+    def _build(self, param_groups: list, keep: bool) -> None:
+        """Lay out the members from _specs, _moved and _owner for this world; with `keep`, a bucket whose pieces
+        are unchanged keeps its shard (and so its state), an owned parameter its owner; new buckets get a shard
+        from the model's values (no state). Sets the param groups' "params". No collective."""
+        params, group_of = self._params(), self._group_of()
+        old = {(b.group, tuple(p.index for p in b.pieces)): b for b in self._buckets} if keep else {}
+        per_param = set(self._members) if self._per_param else self._moved & self._members
+        buckets = []
+        for g, indices in ([] if self._per_param else self._specs):
+            flat = tuple(i for i in indices if i not in per_param and i in self._members)
+            if not flat:
+                continue
+            b = old.get((g, flat))
+            if b is None:
+                b = _Bucket(group=g, dtype=params[flat[0]].dtype)
+                for i in flat:
+                    b.pieces.append(_Piece(params[i], i, b.numel, params[i].numel()))
+                    b.numel += params[i].numel()
+            buckets.append(b)
+        self._buckets = buckets
+        if not keep:
+            self._owner = {}
+        self._owner = balance({i: params[i].numel() for i in per_param}, group_of,
+                              {i: r for i, r in self._owner.items() if i in per_param}, self._size)
+        self._owned = [_Owned(params[i], i, group_of[i], self._owner[i]) for i in sorted(per_param)]
         with torch.no_grad():
             for b in self._buckets:
-                b.slices = split(b.numel, self._size)
-                start, length = b.slices[self._rank]
-                b.shard = torch.nn.Parameter(self._flat(b, lambda p: p.detach(), start, start + length))
+                if b.shard is None or not keep:
+                    b.slices = split(b.numel, self._size)
+                    start, length = b.slices[self._rank]
+                    b.shard = torch.nn.Parameter(self._flat(b, lambda p: p.detach(), start, start + length))
+        mine = [o for o in self._owned if o.owner == self._rank]
         for g, group in enumerate(param_groups):
-            group["params"] = [b.shard for b in self._buckets if b.group == g]
+            group["params"] = [b.shard for b in self._buckets if b.group == g] + [o.param for o in mine if o.group == g]
+        if not self._buckets and param_groups:  # GradScaler must find a gradient on every rank (_stand_in_grad)
+            if self._stand_in is None:
+                first = params[min(self._members)] if self._members else torch.zeros(0)
+                self._stand_in = torch.nn.Parameter(torch.zeros(0, dtype=first.dtype, device=first.device))
+            param_groups[0]["params"].append(self._stand_in)
+        self._bucket_of = {id(piece.param): i for i, b in enumerate(self._buckets) for piece in b.pieces}
+        self._owned_of = {id(o.param): o for o in self._owned}
+        self._missing = [len(b.pieces) for b in self._buckets]
 
-    def relayout(self, size: int, rank: int) -> None:
-        """Split the buckets anew for a world of `size` ranks in which this one is `rank` (after an elastic
-        reset; hvdp.torch.sharded_elastic.reshard then fills the state): new shard parameters from the model's
-        values, no state, nothing in flight. No collective."""
+    def _hook(self, indices: list[int], late: bool) -> None:
+        """Count the gradients of these parameters as they accumulate. `late`: they joined after prepare(),
+        which weighted only the gradients of the parameters trainable then: give them its gradient hook too
+        (the division by k accumulated passes, an epoch's uneven end), unless one is there already."""
+        params = self._params()
+        for i in indices:
+            p = params[i]
+            if id(p) in self._hooked:
+                continue
+            self._hooked.add(id(p))
+            if late and not any(getattr(h, "__qualname__", "").startswith(_gradient_hook.__name__)
+                                for h in p._backward_hooks.values() if p._backward_hooks):
+                self.hooks.append(p.register_hook(_gradient_hook(self._passes, self.hvdp_schedule)))
+            self.hooks.append(p.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _join(self, in_step: bool) -> bool:
+        """Add the parameters of the param groups that became trainable since (requires_grad_(True)) to the
+        layout: new buckets, or new owners. `in_step`: their gradients of this step were accumulated without
+        prepare()'s weighting: applied here. No collective; every rank sees the same flags (a script that unfreezes
+        on some ranks only trains different models: the ranks' used-flags agreement cannot see it)."""
+        late = [i for i, p in enumerate(self._params()) if i not in self._members and p.requires_grad]
+        if not late:
+            return False
+        params = self._params()
+        if in_step:
+            weight = _Batch.factor(self._passes) / self._passes
+            for i in late:
+                if params[i].grad is not None and weight != 1.0:
+                    params[i].grad.mul_(weight)
+        self._members |= set(late)
+        self._specs += pack(self._groups, late, self._bucket_bytes)
+        self._build(self.param_groups, keep=True)
+        self._hook(late, late=True)
+        return True
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a param group (fine-tuning: layers unfrozen and handed to the optimizer), as torch's does, with
+        its learning rate scaled by prepare()'s rule like the others: its trainable parameters join the layout
+        (new flat buckets, or new owners by ZeroRedundancyOptimizer's balance, continued). Every rank must call
+        it, with the same group.
+
+        Args:
+            param_group: {"params": ..., settings}, as torch.optim.Optimizer.add_param_group takes it.
+        """
+        if not self._ready:
+            return torch.optim.Optimizer.add_param_group(self, param_group)
+        group = dict(param_group)
+        params = group.pop("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        names = group.pop("param_names", None)
+        # torch's defaults and checks (duplicates across groups included), on a stand-in group of the real
+        # parameters: then the group holds this rank's shards instead
+        probe = {**group, "params": params}
+        torch.optim.Optimizer.add_param_group(self._inner, probe)
+        self.param_groups.pop()  # (the same list as the wrapped optimizer's)
+        if "lr" in probe:
+            probe["lr"] = self.hvdp_schedule.rate(probe["lr"], scaled_by=1.0)  # prepare()'s rule, this world
+        start = sum(len(p) for p in self._groups)
+        self._groups.append(params)
+        self._names.append(list(names) if names is not None else None)
+        new = [start + k for k, p in enumerate(params) if p.requires_grad]
+        self._members |= set(new)
+        self._specs += pack(self._groups, new, self._bucket_bytes)
+        self.param_groups.append({**probe, "params": []})
+        self._build(self.param_groups, keep=True)
+        self._hook(new, late=True)
+
+    def relayout(self, size: int, rank: int, layout: tuple | None = None) -> None:
+        """Lay the parameters out anew for a world of `size` ranks in which this one is `rank` (after an elastic
+        reset; hvdp.torch.sharded_elastic.reshard then fills the state): new shards from the model's values, owners
+        balanced anew, no state, nothing in flight. `layout`: another rank's layout() to take (a worker that
+        joined has prepare()'s). No collective."""
         self._rank, self._size = rank, size
         self._gloo = size > 1 and hvd.gloo_enabled()
-        self._make_shards(self.param_groups)
+        if layout is not None:
+            specs, moved, members = layout
+            self._specs, self._moved = [(g, list(ix)) for g, ix in specs], set(moved)
+            joined = set(members) - self._members
+            self._members = set(members)
+            self._hook(sorted(joined), late=True)
+        self._build(self.param_groups, keep=False)
         self.state.clear()
         self._pending.clear()
+        self._pending_owned.clear()
         self._counts.clear()
-        self._missing = [len(b.pieces) for b in self._buckets]
+        self._used = set()
         self._synchronized, self._consolidated = False, None
+
+    def layout(self) -> tuple:
+        """What relayout() needs to lay the parameters out as this rank does: (the flat buckets' packing, the
+        parameters moved to the per-parameter layout, the parameters in the layout). Picklable."""
+        return [(g, list(ix)) for g, ix in self._specs], sorted(self._moved), sorted(self._members)
 
     @staticmethod
     def _flat(bucket: _Bucket, value, start: int, end: int) -> torch.Tensor:
@@ -181,14 +276,20 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
             raise ConfigError(f"a gradient was computed {seen} times before step(), with backward_passes_per_step="
                               f"{self._passes}: call step() every {self._passes} backward pass(es)", rank=self._rank)
         if seen == self._passes:
-            i = self._bucket_of[id(param)]
-            self._missing[i] -= 1
-            if self._missing[i] == 0:
-                self._reduce(i)
+            i = self._bucket_of.get(id(param))
+            if i is not None:
+                self._missing[i] -= 1
+                if self._missing[i] == 0:
+                    self._reduce(i)
+            elif id(param) in self._owned_of:
+                self._reduce_owned(self._owned_of[id(param)])
 
     def _reduce(self, i: int) -> None:
         """Start bucket i's reduce-scatter; free the model's full gradients it was copied from (ZeRO-2)."""
         b = self._buckets[i]
+        for piece in b.pieces:
+            if piece.param.grad is not None:
+                self._used.add(piece.index)
         sent, ctx = self._compression.compress(self._flat(b, lambda p: p.grad, 0, b.numel))
         if self._gloo:  # in place, each rank keeping its slice in synchronize(): see __init__
             handle = hvd.allreduce_async_(sent, name=f"hvdp.zero.grad.{i}", op=self._op)
@@ -198,18 +299,39 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         for piece in b.pieces:
             piece.param.grad = None
 
+    def _reduce_owned(self, o: _Owned) -> None:
+        """Start the all-reduce of an owned parameter's gradient (its owner keeps the result)."""
+        grad = o.param.grad
+        if grad is not None:
+            self._used.add(o.index)
+        sent, ctx = self._compression.compress(torch.zeros_like(o.param) if grad is None else grad)
+        self._pending_owned[o.index] = (hvd.allreduce_async(sent, name=f"hvdp.zero.own.{o.index}", op=self._op), ctx)
+        o.param.grad = None
+
     def synchronize(self) -> None:
-        """Finish this step's reduce-scatters: each bucket's shard parameter gets its slice of the average (or
-        sum, op="sum") over the ranks. Buckets whose parameters all got their gradients started during the
-        backward pass; the others (a parameter without a gradient counts as zeros, a last step of fewer than
-        k passes) start here. The model's full gradients are freed (set to None). If the averaged gradients
-        hold an inf/NaN in any rank's slice, every rank's shard gradients hold one afterwards (one all-reduce of
-        a flag), so that a GradScaler skips the step on every rank. step() calls it when it has not run yet;
-        call it yourself to read the shard gradients, and before GradScaler.unscale_(). Every rank must call
-        it."""
+        """Finish this step's reductions: each bucket's shard parameter gets its slice of the average (or sum,
+        op="sum") over the ranks, each owned parameter on its owner its whole average. Buckets (parameters) whose
+        gradients all came started during the backward pass; the others (a parameter without a gradient counts
+        as zeros, a last step of fewer than k passes) start here. The model's full gradients are freed (set to
+        None). A parameter that got a gradient on no rank is skipped by the step, as torch skips it (its
+        gradient None; one of a flat bucket moves to the per-parameter layout). If the averaged gradients hold an
+        inf/NaN in any rank's slice, every rank's shard gradients hold one afterwards, so that a GradScaler skips
+        the step on every rank. Both agreements are one all-reduce of a flag per parameter. step() calls it when
+        it has not run yet; call it yourself to read the shard gradients, and before GradScaler.unscale_(). A
+        second call in the same step does nothing. Every rank must call it."""
+        if self._synchronized:
+            return
+        self._join(in_step=True)
+        for b in self._buckets:
+            for piece in b.pieces:
+                if self._counts.get(id(piece.param)) or piece.param.grad is not None:
+                    self._used.add(piece.index)
         for i in range(len(self._buckets)):
             if i not in self._pending:
                 self._reduce(i)
+        for o in self._owned:
+            if o.index not in self._pending_owned:
+                self._reduce_owned(o)
         for i, b in enumerate(self._buckets):
             handle, ctx = self._pending.pop(i)
             reduced = hvd.synchronize(handle)
@@ -217,40 +339,151 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
                 start, length = b.slices[self._rank]
                 reduced = reduced[start:start + length].clone()  # the bucket's full copy is freed
             b.shard.grad = self._compression.decompress(reduced, ctx).to(b.dtype)
-        self._agree_on_non_finite()
+        for o in self._owned:
+            handle, ctx = self._pending_owned.pop(o.index)
+            reduced = hvd.synchronize(handle)
+            if o.owner == self._rank:
+                o.param.grad = self._compression.decompress(reduced, ctx).to(o.param.dtype).view_as(o.param)
+            del reduced
+        self._agree()
         self._counts.clear()
+        self._used = set()
         self._missing = [len(b.pieces) for b in self._buckets]
         self._synchronized = True
         _counted(self.hvdp_schedule)
 
-    def _agree_on_non_finite(self) -> None:
-        """Make an inf/NaN anywhere in the averaged gradients visible in every rank's shard gradients.
+    def _grads(self) -> list[torch.Tensor]:
+        """This rank's non-empty gradients the wrapped optimizer will read."""
+        return ([b.shard.grad for b in self._buckets if b.shard.grad is not None and b.shard.grad.numel()]
+                + [o.param.grad for o in self._owned if o.owner == self._rank and o.param.grad is not None
+                   and o.param.grad.numel()])
 
-        A GradScaler (fp16 AMP) looks for inf/NaN in the gradients of the optimizer's parameters, here this
-        rank's shard only: an overflow in one rank's slice would make that rank skip the step and back off its
-        scale while the others step (diverged replicas, and collectives out of step). One all-reduce (max) of
-        a flag per step tells every rank; a rank whose shard is finite then puts a NaN into it, so that
-        GradScaler.unscale_ finds one on every rank: every rank skips the step and updates the scale alike, as
-        on the allreduce path. Without a GradScaler such a step was broken already (an inf/NaN reaches the
-        weights); a rank holding no element at all gets a one-element NaN gradient, taken back in step()."""
-        if self._size == 1:
-            return
-        grads = [b.shard.grad for b in self._buckets if b.shard.grad.numel()]
+    def _agree(self) -> None:
+        """Agree with every rank, in one all-reduce, on which parameters got a gradient on some rank this step and
+        whether the averaged gradients hold an inf/NaN; skip the unused ones and spread the inf/NaN.
+
+        Unused: torch's optimizers skip a parameter whose .grad is None (AdamW neither decays it nor counts the
+        step); here every rank's reduction got zeros for it. An owned one gets grad None again. A flat bucket
+        cannot skip part of its shard (its step count is shared): its unused parameters move to the per-parameter
+        layout, their state and the bucket's re-split from one all-gather per bucket and state key (_move), only
+        at the steps where that happens.
+
+        Non-finite: a GradScaler (fp16 AMP) looks for inf/NaN in the gradients of the optimizer's parameters, here
+        this rank's shard only: an overflow in one rank's slice would make that rank skip the step and back off its
+        scale while the others step (diverged replicas, and collectives out of step). A rank whose shard is finite
+        then puts a NaN into it, so that GradScaler.unscale_ finds one on every rank: every rank skips the step and
+        updates the scale alike, as on the allreduce path. Without a GradScaler such a step was broken already (an
+        inf/NaN reaches the weights); a rank holding no element at all gets a one-element NaN gradient (the first
+        bucket's, or the 0-element stand-in's), taken back in step()."""
+        members = sorted(self._members)
+        grads = self._grads()
         # Every element is finite exactly when the least and the greatest are (aminmax propagates a NaN): one
         # pass that allocates nothing, where isfinite(g).all() wrote a flag per element (8.6 ms against 0.8 ms
         # for 5M floats on one CPU thread; on hvdp bench's GPT most of what the sharded step lost to hvdp's).
-        local = (torch.stack([torch.isfinite(torch.stack(torch.aminmax(g))).all() for g in grads]).all()
-                 .logical_not() if grads else torch.zeros((), dtype=torch.bool))
-        local = local.to(torch.float32).cpu()
-        found = hvd.allreduce(local, op=hvd.Max, name="hvdp.zero.nonfinite")
-        if not found.item() or local.item():
+        local = bool(grads) and bool(torch.stack([torch.isfinite(torch.stack(torch.aminmax(g))).all()
+                                                  for g in grads]).all().logical_not())
+        flags = torch.tensor([float(local)] + [float(i in self._used) for i in members], dtype=torch.float32)
+        if self._size > 1:
+            flags = hvd.allreduce(flags, op=hvd.Sum, name="hvdp.zero.nonfinite")
+        found = bool(flags[0] > 0)
+        unused = {i for i, f in zip(members, flags[1:].tolist()) if f == 0}
+        for o in self._owned:
+            if o.index in unused:
+                o.param.grad = None
+        moving = {piece.index for b in self._buckets for piece in b.pieces if piece.index in unused}
+        if moving:
+            self._move(moving)
+        self._stand_in_grad(math.nan if found and not local else None)
+
+    def _stand_in_grad(self, value) -> None:
+        """Give the 0-element stand-in (no flat bucket: a rank that may step nothing) a gradient, so that a
+        GradScaler finds one on every rank; `value` (NaN) into one gradient of this rank when another rank's holds
+        an inf/NaN."""
+        if self._stand_in is not None:
+            self._stand_in.grad = torch.zeros_like(self._stand_in)
+        if value is None:
             return
         with torch.no_grad():
+            grads = self._grads()
             if grads:
-                grads[0].view(-1)[0] = math.nan
-            elif self._buckets:  # this rank's shards are all empty: a one-element stand-in, set through .data
-                b = self._buckets[0]  # (torch's .grad setter refuses a size other than the parameter's)
-                b.shard.grad.data = torch.full((1,), math.nan, dtype=b.dtype, device=b.shard.device)
+                grads[0].view(-1)[0] = value
+            else:  # a one-element stand-in, set through .data (torch's .grad setter refuses another size)
+                target = self._buckets[0].shard if self._buckets else self._stand_in
+                if target is not None:
+                    target.grad.data = torch.full((1,), value, dtype=target.dtype, device=target.device)
+
+    def _move(self, indices: set[int]) -> None:
+        """Move these parameters (each in a flat bucket, unused this step) to the per-parameter layout, with
+        their state, and re-split what remains of their buckets with its state and this step's gradients. Each
+        affected bucket's gradient and per-element state are all-gathered once (a bucket at a time). Every
+        rank, with the same indices."""
+        affected = [b for b in self._buckets if any(p.index in indices for p in b.pieces)]
+        described = self._describe(affected)
+        per_keys, grads, states = set(), {}, {}
+        for n, (b, (per, other, on_device)) in enumerate(zip(affected, described)):
+            per_keys |= set(per)
+            full = self._all(b.shard.grad if b.shard.grad is not None else torch.zeros_like(b.shard),
+                             f"hvdp.zero.move.grad.{n}")
+            mine = self.state.pop(b.shard, {})
+            gathered = {k: self._all(mine[k] if k in mine else torch.zeros(b.shard.shape, dtype=dtype,
+                                                                           device=b.shard.device),
+                                     f"hvdp.zero.move.{n}.{k}") for k, dtype in per.items()}
+            for piece in b.pieces:
+                cut = slice(piece.offset, piece.offset + piece.numel)
+                grads[piece.index] = full[cut].clone()
+                if per or other:
+                    states[piece.index] = {**{k: v[cut].clone() for k, v in gathered.items()},
+                                           **{k: (v.clone().to(piece.param.device) if k in on_device else v.clone())
+                                              if torch.is_tensor(v) else v for k, v in other.items()}}
+            del full, gathered
+        self._moved |= indices
+        self._build(self.param_groups, keep=True)
+        with torch.no_grad():
+            for b in self._buckets:
+                if not any(p.index in grads for p in b.pieces):
+                    continue  # a bucket kept as it was
+                index = {id(p.param): p.index for p in b.pieces}
+                start, length = b.slices[self._rank]
+                b.shard.grad = self._flat(b, lambda p: grads[index[id(p)]], start, start + length)
+                first = states.get(b.pieces[0].index)
+                if first:
+                    self.state[b.shard] = {
+                        k: (self._flat(b, lambda p, k=k: states[index[id(p)]][k], start, start + length).to(v.dtype)
+                            if k in per_keys else v) for k, v in first.items()}
+        for o in self._owned:
+            if o.index in indices and o.owner == self._rank and o.index in states:
+                self.state[o.param] = {k: v.view(o.param.shape) if k in per_keys else v
+                                       for k, v in states[o.index].items()}
+
+    def _all(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return hvd.allgather(tensor.detach(), name=name) if self._size > 1 else tensor.detach()
+
+    def _describe(self, buckets: list[_Bucket]) -> list[tuple[dict, dict, list]]:
+        """Per bucket, agreed by every rank (one allgather_object): its per-element state keys ({key: dtype}) and
+        its other entries (the step count: of the first rank that has any; a rank with an empty shard may have
+        none), copied to the CPU, and which of those were not on it."""
+        mine = []
+        for b in buckets:
+            per, other, on_device = {}, {}, []
+            for k, v in self.state.get(b.shard, {}).items():
+                if is_per_element(v, b.shard):
+                    per[k] = v.dtype
+                elif torch.is_tensor(v):
+                    other[k] = v.detach().cpu().clone()
+                    if v.device.type != "cpu":
+                        on_device.append(k)
+                else:
+                    other[k] = v
+            mine.append((per, other, on_device))
+        every = hvd.allgather_object(mine, name="hvdp.zero.move") if self._size > 1 else [mine]
+        out = []
+        for n in range(len(buckets)):
+            per = {}
+            for d in every:
+                per.update(d[n][0])
+            first = next((d[n] for d in every if d[n][1]), ({}, {}, []))
+            out.append((dict(sorted(per.items())), first[1], first[2]))
+        return out
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -278,7 +511,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
             raise ConfigError(f"norm_type must be a number > 0 (or math.inf), got {norm_type!r}", rank=self._rank)
         if not self._synchronized:
             self.synchronize()
-        grads = [b.shard.grad for b in self._buckets if b.shard.grad is not None and b.shard.grad.numel()]
+        grads = self._grads()
         norms = [torch.linalg.vector_norm(g.double(), norm_type) for g in grads]
         nothing = torch.zeros((), dtype=torch.float64)  # a rank whose shards are empty
         if math.isinf(norm_type):
@@ -310,9 +543,11 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         _horovod.progress(s.step, WAITING)
         if not self._synchronized:
             self.synchronize()
-        for b in self._buckets:  # the stand-in of _agree_on_non_finite on a rank without elements
+        for b in self._buckets:  # the stand-in of _agree() on a rank without elements
             if b.shard.numel() == 0 and b.shard.grad is not None and b.shard.grad.numel():
                 b.shard.grad = b.shard.grad[:0]
+        if self._stand_in is not None:
+            self._stand_in.grad = None  # never stepped
         with torch.no_grad():  # the model may have been loaded or changed since the last step: its values rule
             for b in self._buckets:  # piece by piece into the shard: no flat copy of it on the way
                 start, _ = b.slices[self._rank]
@@ -335,21 +570,27 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         _horovod.progress(s.step, COMPUTING)
 
     def _gather_parameters(self) -> None:
-        """All-gather the updated shards into the model's parameters, one bucket at a time: each gathered bucket
+        """Broadcast each owned parameter from its owner; all-gather the updated shards into the model's parameters, one bucket at a time: each gathered bucket
         is a transient copy of its parameters, and with every bucket's gather in flight at once (fused by
         Horovod into one buffer as large) the step's peak held a second copy of the model: on hvdp bench's GPT
         (AdamW, np=2, two 32 MiB buckets; glibc's mmap threshold fixed, so that RSS follows what is live) its
         peak RSS rise was 293 MiB, 256 MiB one bucket at a time. Gathers kept in flight up to 32 MiB (8 MiB
         buckets) were no faster there (26.2-27.1 samples/s against 26.3-29.0 one at a time)."""
         with torch.no_grad():
+            owned = [hvd.broadcast_async_(o.param.data, root_rank=o.owner, name=f"hvdp.zero.own.param.{o.index}")
+                     for o in self._owned] if self._size > 1 else []
             for i, b in enumerate(self._buckets):
                 full = hvd.allgather(b.shard.detach(), name=f"hvdp.zero.param.{i}")
                 for piece in b.pieces:
                     piece.param.copy_(full[piece.offset:piece.offset + piece.numel].view_as(piece.param))
                 del full
+            for handle in owned:
+                hvd.synchronize(handle)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the model's gradients and the shard's (torch's zero_grad, on both).
+        """Clear the model's gradients and the shard's (torch's zero_grad, on both). Parameters of the param
+        groups made trainable since the last call (requires_grad_(True)) join the layout here (or, if unfrozen
+        after it, at the next synchronize()).
 
         Args:
             set_to_none: set them to None (default) instead of zeroing them.
@@ -373,3 +614,4 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
                     p.grad.zero_()
         torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
         self._synchronized = False
+        self._join(in_step=False)  # parameters unfrozen since: their gradients counted from the next backward

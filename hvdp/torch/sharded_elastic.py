@@ -95,7 +95,26 @@ def commit_copies(opt: ShardedOptimizer, serial: int = 0) -> dict:
                 start, length = b.slices[r]
                 slices[r][i][key] = full[start:start + length].detach().cpu().clone()
             del full
-    return {"size": size, "serial": serial, "slices": slices, "buckets": buckets}
+    # the owned parameters' state (per-parameter layout), whole: each rank's broadcast once, kept by its keeper
+    owned = {}
+    for r in range(size):
+        mine = _owned_state(opt) if r == rank else None
+        theirs = hvd.broadcast_object(mine, root_rank=r, name=f"hvdp.zero.commit.owned.{r}") if size > 1 else mine
+        if r in ranks:
+            owned[r] = theirs
+        del theirs
+    return {"size": size, "serial": serial, "slices": slices, "buckets": buckets, "owned": owned,
+            "layout": opt.layout()}
+
+
+def _owned_state(opt: ShardedOptimizer) -> dict:
+    """{index: {key: (value copied to the CPU, whether it was elsewhere)}} of the parameters this rank owns."""
+    out = {}
+    for o in opt._owned:
+        if o.owner == opt._rank and o.param in opt.state:
+            out[o.index] = {k: (v.detach().cpu().clone(), v.device.type != "cpu") if torch.is_tensor(v) else (v, False)
+                            for k, v in opt.state[o.param].items()}
+    return out
 
 
 def sources(summaries: list[tuple | None], rank: int = 0) -> tuple[int, dict[int, int]]:
@@ -147,14 +166,14 @@ def reshard(opt: ShardedOptimizer, committed: dict | None) -> None:
             different commits: sources()), or the ranks hold commits of different world sizes.
     """
     summary = None if committed is None else (committed["size"], committed["serial"], sorted(committed["slices"]),
-                                              committed["buckets"])
+                                              committed["buckets"], committed["layout"])
     every = hvd.allgather_object(summary, name="hvdp.zero.reshard") if hvd.size() > 1 else [summary]
     if all(s is None for s in every):
         opt.relayout(hvd.size(), hvd.rank())
         return  # nothing committed yet: the fresh state, as after prepare()
     old, holder = sources([s[:3] if s is not None else None for s in every], hvd.rank())
     buckets = every[holder[0]][3]  # the description of the rebuilt commit's buckets
-    opt.relayout(hvd.size(), hvd.rank())
+    opt.relayout(hvd.size(), hvd.rank(), every[holder[0]][4])  # and its layout (a joined worker has prepare()'s)
     for i, (b, described) in enumerate(zip(opt._buckets, buckets)):
         state = {k: v.clone() if torch.is_tensor(v) else v for k, v in described["other"].items()}
         start, length = b.slices[opt._rank]
@@ -172,3 +191,13 @@ def reshard(opt: ShardedOptimizer, committed: dict | None) -> None:
             state[k] = state[k].to(b.shard.device)
         if state:
             opt.state[b.shard] = state
+    owners = {o.index: o for o in opt._owned}
+    for r in range(old):  # each former rank's owned parameters' state, from the rank that holds it to their owners
+        held = committed["owned"][r] if holder[r] == opt._rank else None
+        if hvd.size() > 1:
+            held = hvd.broadcast_object(held, root_rank=holder[r], name=f"hvdp.zero.reshard.owned.{r}")
+        for index, entry in held.items():
+            o = owners[index]
+            if o.owner == opt._rank:
+                opt.state[o.param] = {k: v.to(o.param.device) if on_device else v for k, (v, on_device) in entry.items()}
+        del held

@@ -1,6 +1,9 @@
 """A sharded optimizer's state in the unsharded layout: what its state_dict(), load_state_dict() and the
 streamed checkpoint (hvdp.torch.checkpoint) read and write.
 
+Owned parameters (the per-parameter layout) keep their state whole on their owner: it is sent from there
+(each tensor broadcast by its owner while rank 0 writes it; a rank holds one tensor of another's at a time).
+
 The checkpoint format stays the unsharded one: consolidation gathers the state bucket by bucket and splits it
 into per-parameter tensors (torch's state_dict layout), and load_state_dict() takes that layout and keeps this
 rank's slice, so a checkpoint resumes at any world size, sharded or not. For checkpoints, both directions
@@ -11,6 +14,7 @@ file, so that no rank ever holds the whole state.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,14 +26,23 @@ from hvdp.torch.runtime import hvd
 if TYPE_CHECKING:
     from hvdp.torch.sharded import _Bucket
 
-# Per-parameter state that is one value, not one per element (Adam's step, ASGD's eta and mu): for a 0-dim
+# Per-parameter state that is one value, not one per element (Adam's step, ASGD's eta and mu, NAdam's mu_product): for a 0-dim
 # parameter the shapes alone cannot tell.
-_SCALAR_KEYS = frozenset({"step", "eta", "mu"})
+_SCALAR_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
 
 
 def is_per_element(value, shard: torch.Tensor) -> bool:
     """Whether a shard's state entry has one value per element (momentum, Adam's moments), not one in all."""
     return torch.is_tensor(value) and value.dim() == 1 and value.shape == shard.shape
+
+
+class _Keys(list):
+    """state_skeleton()'s keys for gather_state(): a list of (key, per_element), with .owned, what each owned
+    parameter's state holds (ShardedStateDict._state_keys)."""
+
+    def __init__(self, items, owned: dict):
+        super().__init__(items)
+        self.owned = owned
 
 
 @dataclass(frozen=True)
@@ -48,18 +61,31 @@ class ShardedStateDict:
     original param groups' parameters and names), _rank, _size, state, param_groups, _flat() and _consolidated
     (what consolidate_state_dict() gathered)."""
 
-    def _state_keys(self) -> list[tuple[str, bool]]:
-        """(key, per_element) of the shard's state, agreed by every rank (an empty shard may have none)."""
-        mine = {}
+    def _state_keys(self) -> "_Keys":
+        """(key, per_element) of the shard's state, agreed by every rank (an empty shard may have none), and in
+        .owned what each owned parameter's state holds ({index: {key: ("tensor", shape, dtype, value of a
+        0-dim one) or ("value", value)}}). A key is per-element (its tensors streamed, never in the skeleton's
+        values) if it is so in a shard or if some owned parameter holds it as a tensor of 1 dimension or more."""
+        mine, owned = {}, {}
         for b in self._buckets:
             for k, v in self.state.get(b.shard, {}).items():
                 mine[k] = is_per_element(v, b.shard)
-        every = hvd.allgather_object(mine, name="hvdp.zero.keys") if self._size > 1 else [mine]
-        merged = {}
-        for m in every:
+        for o in self._owned:
+            if o.owner == self._rank and o.param in self.state:
+                owned[o.index] = {k: ("tensor", tuple(v.shape), v.dtype, v.detach().cpu().clone() if v.dim() == 0
+                                      else None) if torch.is_tensor(v) else ("value", v)
+                                  for k, v in self.state[o.param].items()}
+        every = hvd.allgather_object((mine, owned), name="hvdp.zero.keys") if self._size > 1 else [(mine, owned)]
+        merged, meta = {}, {}
+        for m, own in every:
             for k, per_element in m.items():
                 merged[k] = merged.get(k, False) or per_element
-        return sorted(merged.items())
+            meta.update(own)
+        for entry in meta.values():
+            for k, v in entry.items():
+                if v[0] == "tensor":
+                    merged[k] = merged.get(k, False) or len(v[1]) > 0
+        return _Keys(sorted(merged.items()), meta)
 
     def state_skeleton(self, to: int = 0) -> tuple[list, dict | None]:
         """The first half of a streamed gather (save_checkpoint's): the state keys every rank agreed on, and on
@@ -91,6 +117,17 @@ class ShardedStateDict:
                     else:
                         value = v.clone() if torch.is_tensor(v) else v
                     state.setdefault(piece.index, {})[key] = value
+        per = {k for k, p in keys if p}
+        for index, entry in keys.owned.items():
+            for key, v in entry.items():
+                if v[0] == "value":
+                    value = v[1]
+                elif key in per:  # an untouched allocation, filled by gather_state()
+                    placeholder = torch.UntypedStorage(math.prod(v[1]) * v[2].itemsize)
+                    value = torch.empty(0, dtype=v[2]).set_(placeholder, 0, v[1])
+                else:
+                    value = v[3].clone()
+                state.setdefault(index, {})[key] = value
         groups, index = [], 0
         for g, group in enumerate(self.param_groups):
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -108,6 +145,8 @@ class ShardedStateDict:
         placeholder. A rank holds one bucket's gathered state at a time (the bound on the memory a streamed
         gather adds: BUCKET_BYTES, or the largest parameter's state, a parameter being never split). Every rank
         must call it, after state_skeleton(), with its keys.
+
+        Then each owned parameter's tensors (those per-element keys name), each broadcast by its owner.
 
         Args:
             keys: what state_skeleton() returned first.
@@ -127,6 +166,20 @@ class ShardedStateDict:
                     for piece in b.pieces:
                         put(piece.index, key, full[piece.offset:piece.offset + piece.numel])
                 del full
+        per = {k for k, p in keys if p}
+        for o in self._owned:  # each owned tensor, broadcast by its owner
+            for key, v in sorted((keys.owned.get(o.index) or {}).items()):
+                if v[0] != "tensor" or key not in per or not math.prod(v[1]):
+                    continue
+                if o.owner == self._rank:
+                    values = self.state[o.param][key].detach().reshape(-1).clone()
+                else:
+                    values = torch.empty(math.prod(v[1]), dtype=v[2], device=o.param.device)
+                if self._size > 1:
+                    hvd.broadcast_(values, root_rank=o.owner, name=f"hvdp.zero.own.state.{o.index}.{key}")
+                if put is not None:
+                    put(o.index, key, values)
+                del values
 
     def gathered_state_dict(self, to: int = 0) -> dict | None:
         """The full optimizer state in the unsharded layout (torch's state_dict of the original optimizer:
@@ -140,7 +193,7 @@ class ShardedStateDict:
         keys, skeleton = self.state_skeleton(to)
 
         def put(index, key, values):
-            skeleton["state"][index][key] = values.view(skeleton["state"][index][key].shape).clone()
+            skeleton["state"][index][key] = values.reshape(skeleton["state"][index][key].shape).clone()
 
         self.gather_state(keys, put if skeleton is not None else None)
         return skeleton
@@ -227,6 +280,7 @@ class ShardedStateDict:
             for pos in range(len(params)):
                 order[index] = by_index[(g, pos)]
                 index += 1
+        self._split_divergent(order)
         self.state.clear()
         staging = []  # load_streamed's one buffer, reused bucket after bucket (a new one each time fragments the heap)
         for i, b in enumerate(self._buckets):
@@ -250,8 +304,39 @@ class ShardedStateDict:
                     shard_state[k] = first.clone() if torch.is_tensor(first) else first
             if shard_state:
                 self.state[b.shard] = shard_state
+        for o in self._owned:
+            idx, st = order.get(o.index, (None, None))
+            kept = {}
+            for k, v in sorted((st or {}).items()):
+                if isinstance(v, Streamed):  # on rank 0 only (load_checkpoint): broadcast, the owner keeps it
+                    value = torch.empty(v.shape, dtype=v.dtype)
+                    if self._rank == 0:
+                        value.copy_(source(idx, k))
+                    if self._size > 1 and value.numel():
+                        hvd.broadcast_(value, root_rank=0, name=f"hvdp.zero.load.own.{o.index}.{k}")
+                else:
+                    value = v
+                if o.owner == self._rank:
+                    kept[k] = _placed(k, value, o.param)
+            if kept:
+                self.state[o.param] = kept
         for group, values in zip(self.param_groups, saved):
             group.update({k: v for k, v in values.items() if k not in ("params", "param_names")})
+
+    def _split_divergent(self, order: dict) -> None:
+        """Move to the per-parameter layout each parameter of a flat bucket whose saved scalar state (step count)
+        or lack of state differs from the rest of its bucket's (one skipped in a step where no rank used it): a
+        flat shard has one step count. The bucket keeps the state most of its parameters share. Every rank decides
+        alike from the same state; no collective."""
+        moving = set()
+        for b in self._buckets:
+            signs = [_signature(p.param, (order.get(p.index) or (None, None))[1]) for p in b.pieces]
+            if len(set(signs)) > 1:
+                keep = max(signs, key=lambda s: (signs.count(s), -signs.index(s)))
+                moving |= {p.index for p, s in zip(b.pieces, signs) if s != keep}
+        if moving:
+            self._moved |= moving
+            self._build(self.param_groups, keep=False)
 
     def _receive(self, i: int, b: _Bucket, key: str, dtype: torch.dtype, states: list, source,
                  staging: list) -> torch.Tensor:
@@ -274,3 +359,26 @@ class ShardedStateDict:
             hvd.broadcast_(raw, root_rank=0, name=f"hvdp.zero.load.{i}.{key}")
         start, length = b.slices[self._rank]
         return buffer[start:start + length].clone()
+
+
+def _signature(param: torch.Tensor, state: dict | None):
+    """What a flat bucket's parameters must share: whether there is state, and its scalar entries' values."""
+    if not state:
+        return None
+    out = []
+    for k, v in sorted(state.items()):
+        if isinstance(v, Streamed) or (torch.is_tensor(v) and v.shape == param.shape
+                                       and (param.dim() > 0 or k not in _SCALAR_KEYS)):
+            continue
+        out.append((k, tuple(v.reshape(-1).tolist()) if torch.is_tensor(v) else v))
+    return tuple(out)
+
+
+def _placed(key: str, value, param: torch.Tensor):
+    """A loaded state value for `param` as torch's Optimizer.load_state_dict places it: a floating tensor in
+    the parameter's dtype and on its device, except "step", which stays where and what it is."""
+    if not torch.is_tensor(value):
+        return value
+    if key == "step":
+        return value.clone()
+    return value.to(dtype=param.dtype if value.is_floating_point() else value.dtype, device=param.device).clone()

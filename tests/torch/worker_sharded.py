@@ -73,6 +73,8 @@ CONFIGS = {
                      None, 1, "average", "linear", 0),
     "adamw_clip": (torch.optim.AdamW, ({"lr": 0.01, "weight_decay": 0.1}, {"lr": 0.004, "weight_decay": 0.0}), 0.05, 1,
                    "average", "linear", 0),
+    "adafactor": (torch.optim.Adafactor, ({"lr": 0.01}, {"lr": 0.02, "weight_decay": 0.1}), None, 1, "average",
+                  "linear", 0),
 }
 
 
@@ -717,6 +719,57 @@ def streamed_save_failure_is_raised_on_every_rank(tmp):
     finally:
         if world.rank == 0 and mounted:
             subprocess.run(["umount", "-l", str(small)])
+
+
+def _state_numel(state: dict) -> int:
+    """Elements of tensor optimizer state in `state` ({param or index: {key: value}}), every key but "step"."""
+    return sum(v.numel() for entry in state.values() for k, v in entry.items() if torch.is_tensor(v) and k != "step")
+
+
+@check
+def per_tensor_optimizer_is_sharded_by_whole_parameters(tmp):
+    # Adafactor factors a matrix's second moment into row and column statistics and scales by the tensor's RMS:
+    # on flat 1-D slices it differed from the unsharded run by 4.8% (relative norm) after 5 steps and held 8.6x
+    # the state per rank. Each parameter whole, stepped by one rank: the allreduce path's run and one process's,
+    # each rank holding the state of what it owns only (ZeroRedundancyOptimizer's balance: not all on one rank);
+    # its checkpoint holds the allreduce path's state and resumes exactly, sharded and into the allreduce path.
+    config = "adafactor"
+    ref, _ = _reference(config, range(STEPS), [world.size] * STEPS)
+    plain, plain_opt = _hvdp(config, range(STEPS), shard=False)
+    model, opt = _hvdp(config, range(STEPS), shard=True)
+    ht.check_consistency(model)
+    assert not opt._buckets and [o.index for o in opt._owned] == [0, 1, 2, 3], (opt._buckets, opt._owned)
+    plain_state = plain_opt.state_dict()["state"]
+    full, mine = _state_numel(plain_state), _state_numel(opt.state)
+    expected = _state_numel({o.index: plain_state[o.index] for o in opt._owned if o.owner == world.rank})
+    every = hvd.allgather_object(mine, name="zero.adafactor.count")
+    trained = _flat(model)
+    for shard in (False, True):
+        ht.save_checkpoint(tmp / f"adafactor-{shard}", *((model, opt) if shard else (plain, plain_opt)), epoch=1,
+                           step=0, global_step=STEPS)
+    _hvdp(config, range(STEPS, STEPS + 2), shard=True, model=model, opt=opt)
+    resumed = {}
+    for shard in (False, True):
+        again, again_opt = _hvdp(config, range(0), shard=shard)
+        assert ht.load_checkpoint(tmp / "adafactor-True", again, again_opt)["global_step"] == STEPS
+        _hvdp(config, range(STEPS, STEPS + 2), shard=shard, model=again, opt=again_opt)
+        resumed[shard] = _flat(again)
+    # after every collective: a failure here leaves no rank waiting
+    _close(trained, _flat(plain), "Adafactor sharded vs the allreduce path", 1e-6)
+    _close(trained, _flat(ref), "Adafactor sharded vs one process", 2e-6)
+    assert mine == expected and sum(every) == full and max(every) < full, (mine, expected, every, full)
+    _same_rerun(resumed[True], _flat(model), "Adafactor resumed sharded, against the uninterrupted run")
+    _close(resumed[False], _flat(model), "Adafactor's sharded checkpoint resumed on the allreduce path", 1e-6)
+    if world.rank == 0:
+        a, b = (torch.load(tmp / f"adafactor-{shard}" / f"ckpt-{STEPS:08d}.pt", weights_only=True)["optimizer"]
+                for shard in (False, True))
+        assert a["param_groups"] == b["param_groups"] and sorted(a["state"]) == sorted(b["state"]) == [0, 1, 2, 3]
+        for i, entry in a["state"].items():
+            assert sorted(entry) == sorted(b["state"][i]), (i, sorted(entry), sorted(b["state"][i]))
+            for k, v in entry.items():
+                assert v.shape == b["state"][i][k].shape, (i, k)
+                _close(v.float(), b["state"][i][k].float(), f"Adafactor state[{i}][{k!r}] in the files", 1e-6)
+
 
 
 RESUME = "adamw_resume"  # no clipping: the sharded and the allreduce continuations are bit-identical up to 2 ranks
