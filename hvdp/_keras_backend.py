@@ -80,28 +80,48 @@ def ensure_init() -> World:
     return World.from_horovod(hvd) if hvd.is_initialized() else init()
 
 
-def allreduce_gradients(grads: list, *, compression: str = "none") -> list:
-    """The gradients averaged over all ranks with one grouped all-reduce (None stays None): the backend's
-    tensors go through its Horovod (hvdp.tensorflow.allreduce_gradients on TensorFlow). Every rank must call it."""
+def allreduce_gradients(grads: list, *, compression: str = "none", variables: list | None = None) -> list:
+    """The gradients averaged over all ranks, as one process would have them for the union batch: on
+    TensorFlow hvdp.tensorflow.allreduce_gradients (tf.IndexedSlices stay sparse, gathered). On torch (fit runs
+    eagerly there) one grouped all-reduce through horovod.torch of every variable's gradient, zeros where
+    this rank has none, with a flag per variable (has a gradient here): a variable no rank has a gradient
+    for stays None (the optimizer skips it, as one process does), one that only some ranks have (a branch
+    their data took) is averaged with the others' zeros. Every rank must call it, with gradients of the same
+    variables in the same order.
+
+    Args:
+        grads: one gradient (or None) per variable.
+        compression: "none" (default) or "fp16".
+        variables: the Keras variables of `grads` (default None); needed on torch when a gradient is None.
+
+    Raises:
+        ConfigError: `compression` is not "none" or "fp16"; on torch a gradient is None and `variables` was
+            not given.
+    """
     if not on_torch():
         from hvdp.tensorflow.gradients import allreduce_gradients as tf_allreduce
-        return tf_allreduce(grads, compression=compression)
+        return tf_allreduce(grads, compression=compression, variables=variables)
+    import torch
+
     from hvdp.tensorflow.gradients import _check_compression
     from hvdp.torch.runtime import hvd
 
     _check_compression(compression)
     grads = list(grads)
-    present = [i for i, g in enumerate(grads) if g is not None]
-    if hvd.size() == 1 or not present:
+    if hvd.size() == 1:
         return grads
+    if variables is None and any(g is None for g in grads):
+        raise ConfigError("allreduce_gradients got a None gradient but no variables: pass variables=<the Keras "
+                          "variables of the gradients>, so that this rank can take part with zeros of their shapes",
+                          rank=hvd.rank())
+    values = [v.value for v in variables] if variables is not None else grads
+    slots = [torch.zeros_like(values[i]) if g is None else g.contiguous() for i, g in enumerate(grads)]
+    flags = torch.tensor([float(g is not None) for g in grads], dtype=torch.float32, device=slots[0].device)
     wire = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[compression]
     # The same explicit name as on TensorFlow: never derived from Keras's per-process layer counters.
-    reduced = hvd.grouped_allreduce([grads[i].contiguous() for i in present], op=hvd.Average,
-                                    compression=wire, name="hvdp_gradients")
-    out = list(grads)
-    for i, g in zip(present, reduced):
-        out[i] = g
-    return out
+    reduced = hvd.grouped_allreduce(slots + [flags], op=hvd.Average, compression=wire, name="hvdp_gradients")
+    used = (reduced[-1] > 0).tolist()  # the same on every rank
+    return [g if u else None for g, u in zip(reduced[:-1], used)]
 
 
 def broadcast(model, optimizer=None, root_rank: int = 0) -> None:

@@ -87,6 +87,21 @@ def _arrays_fingerprint(arrays) -> str:
     return fingerprint_of(parts)
 
 
+def _agree_on_arrays(horovod, data, *, call: str, **settings) -> tuple[np.ndarray, ...]:
+    """`data` as arrays (_as_arrays), once every rank holds the same: the same number of samples and
+    _arrays_fingerprint, and the same `settings`; else ConfigError on every rank, naming the rank and the value
+    (shard()'s check, also evaluate()'s: `call` names the function). An error in reading `data` on one rank is
+    raised on every rank. One small all-gather; every rank must call it."""
+    arrays: list = []
+
+    def mine() -> dict:
+        arrays.extend(_as_arrays(data))
+        return {**settings, "samples": len(arrays[0]), "fingerprint": _arrays_fingerprint(arrays)}
+
+    agree(horovod, mine, call=call)
+    return tuple(arrays)
+
+
 def _gatherer(arrays):
     """A tf.data function from a batch of sample numbers to the tuple of those rows of `arrays`."""
     columns = tuple(tf.convert_to_tensor(a) for a in arrays)  # captured by reference, not in the graph
@@ -180,15 +195,15 @@ def _shard(data, *, batch_size, shuffle, seed, drop_last, map, num_parallel_call
         raise ConfigError(f"shard(map=...) takes a function of one sample, got {type(map).__name__}")
     if not isinstance(passes, int) or passes < 1:
         raise ConfigError(f"shard(backward_passes_per_step=...) must be an integer >= 1, got {passes!r}")
+    settings = {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last}
     if isinstance(data, RecordIndex):
         n, samples = len(data), _record_reader(data)
         fingerprint = fingerprint_of([repr((list(data.paths), data.counts())).encode()])
+        agree(horovod, lambda: {**settings, "samples": n, "fingerprint": fingerprint}, call="shard()")
     else:
-        arrays = _as_arrays(data)
-        n, samples, fingerprint = len(arrays[0]), _gatherer(arrays), _arrays_fingerprint(arrays)
+        arrays = _agree_on_arrays(horovod, data, call="shard()", **settings)
+        n, samples = len(arrays[0]), _gatherer(arrays)
         del arrays
-    agree(horovod, lambda: {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
-                        "samples": n, "fingerprint": fingerprint}, call="shard()")
     plan = ShardPlan(n=n, batch_size=batch_size, rank=w.rank, size=w.size, seed=seed, shuffle=shuffle,
                      drop_last=drop_last)
     position = ShardPosition(plan, passes)

@@ -9,6 +9,7 @@ import numpy as np
 from hvdp import _keras_backend
 from hvdp._horovod import gather_or_raise
 from hvdp.core.sharding import eval_bounds, eval_means
+from hvdp.tensorflow.data import _agree_on_arrays
 from hvdp.tensorflow.runtime import _ensure_init, hvd
 
 
@@ -29,7 +30,8 @@ def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True, lo
     Args:
         model: model(x, training=False) gives the output `loss` and the metrics take (a classifier: (N, classes)
             logits or probabilities).
-        data: (x, y) arrays, the same on every rank.
+        data: (x, y) arrays, the same on every rank in the same order: compared across the ranks as shard()
+            compares its data (the number of samples, the rows at fixed positions).
         batch_size: samples per forward pass on each rank (default 256).
         from_logits: the default loss's input: the model outputs logits (default True) or probabilities.
         loss: loss(y, out) giving each sample's loss (a Keras loss function); default None: the sparse
@@ -41,14 +43,17 @@ def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True, lo
         {"loss": mean loss, each metric's mean, "samples": len(x)}, the same on every rank.
 
     Raises:
-        ConfigError: `data` is empty (on every rank).
+        ConfigError: `data` is empty, or differs across the ranks (another order: a test set shuffled without a
+            seed; another copy), on every rank, naming the rank and the value.
         RankError: the model raised on some rank (on every rank, naming it and the exception).
     """
     if _keras_backend.on_torch():  # hvdp.keras.evaluate on Keras's torch backend: horovod.torch's ranks
         w, horovod = _keras_backend.ensure_init(), _keras_backend.horovod()
     else:
         w, horovod = _ensure_init(), hvd
-    x, y = (np.asarray(a) for a in data)
+    # hvdp: the ranks must score the same samples in the same order (each takes its slice of that order): the
+    # data is compared as shard() compares it (its length and rows at fixed positions), one small all-gather.
+    x, y = _agree_on_arrays(horovod, data, call="evaluate()")
     start, stop = eval_bounds(len(x), w.rank, w.size)
     if loss is None:
         def loss(yb, out):

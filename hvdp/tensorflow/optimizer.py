@@ -6,7 +6,7 @@ from __future__ import annotations
 import tensorflow as tf
 import keras
 
-from hvdp import _horovod, _keras_backend
+from hvdp import _horovod, _keras_backend, _keras_stop
 from hvdp.core.errors import ConfigError
 from hvdp.core.scaling import learning_rate, lr_multiplier
 from hvdp.tensorflow.gradients import _check_compression
@@ -253,22 +253,36 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 self.build(trainable_variables)
         variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
         k = self.backward_passes_per_step
+
+        def reduce_then_apply(gradients):  # hvdp.keras's callbacks add a rank's stop_training (hvdp/_keras_stop.py)
+            _keras_stop.reduce_then_apply(
+                self, gradients, variables, lambda averaged: self.inner_optimizer.apply(averaged, variables),
+                lambda g, v: _keras_backend.allreduce_gradients(g, compression=self.compression, variables=v))
+
         if k == 1:
-            self.inner_optimizer.apply(_keras_backend.allreduce_gradients(grads, compression=self.compression),
-                                       variables)
+            reduce_then_apply(grads)
             return
         index = [self._get_variable_index(v) for v in variables]
         accs = [self._accumulators[i] for i in index]
-        self._no_gradient = {i for i, g in zip(index, grads) if g is None}  # for flush(); fixed when traced
-        summed = [None if g is None else a + keras.ops.cast(g, a.dtype) for g, a in zip(grads, accs)]
+        # Which variables had a gradient in a pass since the last step: fixed by the trace inside a tf.function
+        # (the same in every pass), a set kept across passes when run eagerly (Keras's torch backend), where a
+        # branch taken in one pass only still counts: its accumulated gradient must reach the step.
+        eager = self._used_eagerly = _keras_backend.on_torch() or tf.executing_eagerly()
+        if eager:
+            self._used = getattr(self, "_used", set()) | {i for i, g in zip(index, grads) if g is not None}
+        else:
+            self._used = {i for i, g in zip(index, grads) if g is not None}
+        used = set(self._used)
+        summed = [a + keras.ops.cast(g, a.dtype) if g is not None else (a if i in used else None)
+                  for i, g, a in zip(index, grads, accs)]
         passes = self._passes.assign_add(1)
 
         def step():
-            averaged = _keras_backend.allreduce_gradients([None if s is None else s / k for s in summed],
-                                                          compression=self.compression)
-            self.inner_optimizer.apply(averaged, variables)
+            reduce_then_apply([None if s is None else s / k for s in summed])
             for a in accs:
                 a.assign(keras.ops.zeros_like(a))
+            if eager:
+                self._used = set()
             return True
 
         def accumulate():
@@ -297,13 +311,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         k = self.backward_passes_per_step
         if k == 1 or not self.built or int(keras.ops.convert_to_numpy(self._passes)) % k == 0:
             return False
-        skip = getattr(self, "_no_gradient", set())
-        summed = [None if i in skip else a / k for i, a in enumerate(self._accumulators)]
-        self.inner_optimizer.apply(_keras_backend.allreduce_gradients(summed, compression=self.compression),
+        used = getattr(self, "_used", set())
+        summed = [a / k if i in used else None for i, a in enumerate(self._accumulators)]
+        self.inner_optimizer.apply(_keras_backend.allreduce_gradients(summed, compression=self.compression,
+                                                                      variables=self._trainable_variables),
                                    self._trainable_variables)
         for a in self._accumulators:
             a.assign(keras.ops.zeros_like(a))
         self._passes.assign(0)
+        if getattr(self, "_used_eagerly", False):
+            self._used = set()
         return True
 
     @property
