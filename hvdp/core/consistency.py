@@ -67,6 +67,10 @@ _SETTING_FIXES = {
                "taken at different moments, gives overlapping or skipped samples and different step counts)",
     "fingerprint": "the ranks' data differ in content or order (another file list, another sorting, another "
                    "copy): give every rank the same files in the same order, e.g. sorted(glob(...))",
+    "items": "the data set's items differ across the ranks (read at the same positions, with the global "
+             "generators seeded alike): if it builds its data at random (torch.rand, np.random in __init__), "
+             "seed it the same on every rank before building it (torch.manual_seed(0)); if its __getitem__ "
+             "draws from an unseeded generator of its own, seed that, or pass check_items=False",
 }
 
 

@@ -4,6 +4,7 @@ and the DataLoader that tells the gradient hooks which batch is being trained on
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -20,6 +21,11 @@ from hvdp.torch.runtime import hvd, init, world
 from hvdp.torch.streams import _stream
 from hvdp.torch.weights import _handing_out
 from hvdp.torch.workers import LOADING, STARTING_WORKERS, _configure
+
+
+class PeekWarning(UserWarning):
+    """An iteration over shard()'s loader stopped after its first batch and the next one began: the batches
+    of that epoch not handed out were never trained on (each iter(loader) is the next epoch)."""
 
 
 class ShardSampler(torch.utils.data.Sampler):
@@ -99,7 +105,7 @@ class ShardSampler(torch.utils.data.Sampler):
 
 
 def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool = True, seed: int = 0,
-          drop_last: bool = False, transform: Callable | None = None,
+          drop_last: bool = False, transform: Callable | None = None, check_items: bool = True,
           **loader_kwargs: Any) -> torch.utils.data.DataLoader:
     """A DataLoader over this rank's share of `dataset`; `batch_size` is per rank.
 
@@ -111,9 +117,10 @@ def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool =
     Every rank must call it, with the same data and settings: they are compared across the ranks (one small
     all-gather): batch_size, seed, shuffle, drop_last, the data's length and a fingerprint of its contents
     (rows of a TensorDataset at fixed positions, the file list of a data set with `samples`, `imgs`, `files`
-    or `paths`, a Subset's indices; samples are never read through __getitem__). seed=rank, a per-node copy
-    with one file more, or a listing in another order is a ConfigError on every rank, naming the rank and
-    the value.
+    or `paths`, a Subset's indices; for any other map-style dataset, a few items read through __getitem__ at
+    fixed positions with the global generators seeded alike). seed=rank, a per-node copy with one file more, a
+    listing in another order, or a custom Dataset that builds its data with an unseeded torch.rand is a
+    ConfigError on every rank, naming the rank and the value.
 
     A stream (a torch IterableDataset: WebDataset, a Hugging Face streaming dataset, a database cursor) is
     split the same way with the stream's own order as the epoch order: every rank and loader worker reads
@@ -134,6 +141,9 @@ def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool =
         transform: a stream's function applied to each of this rank's elements after the split, in the
             loader workers (decoding, augmentation: the elements of other ranks are never transformed);
             default None. A map-style dataset transforms in its __getitem__ (it reads only this rank's).
+        check_items: compare a few items of a dataset hvdp cannot otherwise fingerprint (default True); False
+            for one whose __getitem__ draws from a generator of its own, unseeded (then only its length is
+            compared).
         loader_kwargs: passed to torch.utils.data.DataLoader (num_workers, collate_fn, pin_memory...), but
             not batch_size, shuffle or sampler; `generator` defaults to one seeded with seed + rank. With
             num_workers > 0, `multiprocessing_context` defaults to forkserver (fork can deadlock in a rank
@@ -168,7 +178,7 @@ def shard(dataset: torch.utils.data.Dataset, *, batch_size: int, shuffle: bool =
         raise ConfigError(f"shard() needs len(dataset) for a map-style dataset; {type(dataset).__name__} has "
                           f"none: give it a __len__, or make it a torch.utils.data.IterableDataset (a stream)",
                           rank=w.rank) from None
-    _agree(dataset, batch_size=batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
+    _agree(dataset, check_items=check_items, batch_size=batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
     plan = ShardPlan(n=len(dataset), batch_size=batch_size, rank=w.rank, size=w.size, seed=seed,
                      shuffle=shuffle, drop_last=drop_last)
     # Its own generator: a DataLoader otherwise draws from the global RNG at every epoch start, which
@@ -190,24 +200,46 @@ class _ShardLoader(torch.utils.data.DataLoader):
             batches = super().__iter__()  # starts the workers (the first time only, when they persist)
         finally:
             _horovod.leave(before)
-        yield from _handing_out(self.batch_sampler, enumerate(_horovod.watched(batches, LOADING)))
+        if self._peeked is not None:
+            warnings.warn(f"shard()'s loader: the pass over epoch {self._peeked} stopped after its first batch (a "
+                          f"`next(iter(loader))` to peek at a batch?), and each iter(loader) is the next epoch, so "
+                          f"that epoch's other batches were never trained on; look at a sample with "
+                          f"loader.dataset[0] instead", PeekWarning, stacklevel=2)
+            self._peeked = None
+        handed = 0
+        try:
+            for batch in _handing_out(self.batch_sampler, enumerate(_horovod.watched(batches, LOADING))):
+                handed += 1
+                yield batch
+        finally:  # an iteration abandoned after one batch of several
+            running = getattr(self.batch_sampler, "_running", None)
+            if handed == 1 and running is not None and running[2] > 1:
+                self._peeked = running[0]
+
+    _peeked: int | None = None  # the epoch whose iteration stopped after its first batch
 
     def set_position(self, epoch: int, step: int = 0) -> None:
         """Make the next iteration run `epoch` from batch `step` (load_checkpoint calls it)."""
         self.batch_sampler.set_position(epoch, step)
 
 
-def _agree(dataset, **settings) -> None:
+def _agree(dataset, *, check_items: bool = True, **settings) -> None:
     """Raise ConfigError on every rank, naming the rank and the value, unless every rank passed shard() the
     same settings and a dataset of the same length and fingerprint (one small all-gather per loader)."""
-    def mine() -> dict:
-        try:
-            samples = len(dataset)
-        except TypeError:  # a stream without len()
-            samples = None
-        return {**settings, "samples": samples, "fingerprint": _data_fingerprint(dataset)}
+    agree(hvd, lambda: {**settings, **_data_identity(dataset, check_items)}, call="shard()")
 
-    agree(hvd, mine, call="shard()")
+
+def _data_identity(dataset, check_items: bool = True) -> dict:
+    """What the ranks compare of a data set (shard() and evaluate()): its length, the fingerprint of what
+    identifies it, and, for a data set hvdp cannot look into, a fingerprint of a few of its items."""
+    try:
+        samples = len(dataset)
+    except TypeError:  # a stream without len()
+        samples = None
+    found = {"samples": samples, "fingerprint": _data_fingerprint(dataset)}
+    if check_items and not found["fingerprint"] and samples and not isinstance(dataset, torch.utils.data.IterableDataset):
+        found["items"] = _items_fingerprint(dataset, samples)
+    return found
 
 
 # Attributes that hold a data set's file list (torchvision's DatasetFolder/ImageFolder: samples, imgs).
@@ -217,8 +249,8 @@ _FILE_LISTS = ("samples", "imgs", "files", "paths", "file_list")
 def _data_fingerprint(dataset) -> str:
     """A digest of what identifies `dataset` without reading its samples through __getitem__ (which may
     decode or augment at random): the rows of in-memory tensors at a few fixed positions, a file list, the
-    indices of a Subset, the parts of a ConcatDataset. "" for a data set hvdp cannot look into (then only its
-    length is compared)."""
+    indices of a Subset, the parts of a ConcatDataset. "" for a data set hvdp cannot look into (then its
+    items are compared: _items_fingerprint)."""
     parts: list[bytes] = []
 
     def visit(d) -> None:
@@ -241,3 +273,48 @@ def _data_fingerprint(dataset) -> str:
 
     visit(dataset)
     return fingerprint_of(parts) if parts else ""
+
+
+def _items_fingerprint(dataset, n: int) -> str:
+    """A digest of the items at sample_positions(n), read through __getitem__ with torch's, numpy's and
+    Python's global generators seeded alike on every rank (and restored after), so that an augmentation
+    drawing from them reads the same on every rank. A custom Dataset that builds its data with an unseeded
+    torch.rand differs here (the DDP tutorial's). Tensors, arrays, numbers and strings count; other objects
+    count by their type."""
+    import random
+
+    parts: list[bytes] = []
+
+    def add(item) -> None:
+        if isinstance(item, torch.Tensor):
+            parts.append(repr((tuple(item.shape), str(item.dtype))).encode())
+            parts.append(_raw_bytes(item.detach().cpu()))
+        elif isinstance(item, np.ndarray) or hasattr(item, "__array_interface__"):
+            a = np.asarray(item)
+            parts.append(repr((a.shape, str(a.dtype))).encode())
+            parts.append(np.ascontiguousarray(a).tobytes() if a.dtype != object else b"object array")
+        elif isinstance(item, (bool, int, float, complex, str, bytes, np.generic)) or item is None:
+            parts.append(repr(item).encode())
+        elif isinstance(item, dict):
+            for key in sorted(item, key=repr):
+                parts.append(repr(key).encode())
+                add(item[key])
+        elif isinstance(item, (list, tuple)):
+            parts.append(f"{type(item).__name__}[{len(item)}]".encode())
+            for x in item:
+                add(x)
+        else:
+            parts.append(type(item).__qualname__.encode())
+
+    kept = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            for i in sample_positions(n):
+                torch.manual_seed(i)
+                np.random.seed(i)
+                random.seed(i)
+                add(dataset[i])
+    finally:
+        random.setstate(kept[0])
+        np.random.set_state(kept[1])
+    return fingerprint_of(parts)

@@ -10,7 +10,10 @@ import torch.utils.data
 
 from hvdp import _horovod
 from hvdp._horovod import gather_or_raise
+from hvdp.core.consistency import settings_mismatch
+from hvdp.core.errors import ConfigError
 from hvdp.core.sharding import eval_bounds, eval_means
+from hvdp.torch.data import _data_identity
 from hvdp.torch.runtime import _module_device, hvd, world
 
 
@@ -24,7 +27,8 @@ _CLASSIFIER = {"accuracy": _correct}
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch_size: int = 256,
-             loss_fn=torch.nn.functional.cross_entropy, metrics: dict[str, Callable] | None = None) -> dict[str, float]:
+             loss_fn=torch.nn.functional.cross_entropy, metrics: dict[str, Callable] | None = None,
+             check_items: bool = True) -> dict[str, float]:
     """Mean loss (and, for a classifier, accuracy) over `dataset`, counting every sample exactly once on any world size.
 
     By default it scores a classifier: loss_fn is the cross-entropy of the logits and "accuracy" the fraction
@@ -43,12 +47,14 @@ def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch
             cross_entropy).
         metrics: name -> fn(out, y) giving the batch's sum of that metric (a number or a one-element tensor);
             each is reported as its mean per sample. Default None: {"accuracy": correct argmax predictions}.
+        check_items: as shard()'s: compare a few items of a dataset hvdp cannot otherwise fingerprint.
 
     Returns:
         {"loss": mean loss, each metric's mean, "samples": len(dataset)}, the same on every rank.
 
     Raises:
-        ConfigError: `dataset` is empty (on every rank).
+        ConfigError: `dataset` is empty, or the ranks passed different data (its length or content, compared
+            as shard() compares them, in the same all-gather as the sums; on every rank, naming the rank).
         RankError: the model or the data raised on some rank (on every rank, naming it and the exception;
             the failed rank's own hvdp error class instead when it raised one).
     """
@@ -59,7 +65,8 @@ def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch
     was_training = model.training
     where = _module_device(model)  # the batches go where the model is (the rank's GPU)
 
-    def score() -> list[float]:
+    def score() -> tuple[dict, list[float]]:
+        identity = _data_identity(dataset, check_items)  # compared across the ranks with the sums
         model.eval()
         try:
             sums = torch.zeros(len(metrics) + 2, dtype=torch.float64)  # count, loss sum, each metric's sum
@@ -68,7 +75,7 @@ def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch
                 out = model(x)
                 sums += torch.tensor([len(y), float(loss_fn(out, y, reduction="sum")),
                                       *(float(fn(out, y)) for fn in metrics.values())], dtype=torch.float64)
-            return sums.tolist()
+            return identity, sums.tolist()
         finally:
             model.train(was_training)
 
@@ -79,5 +86,8 @@ def evaluate(model: torch.nn.Module, dataset: torch.utils.data.Dataset, *, batch
         gathered = gather_or_raise(hvd, score, name="hvdp.evaluate", operation="hvdp.torch.evaluate")
     finally:
         _horovod.leave(before)
-    count, loss, *totals = (sum(column) for column in zip(*gathered))
+    problem = settings_mismatch([identity for identity, _ in gathered], call="evaluate()")
+    if problem:
+        raise ConfigError(problem, rank=w.rank)
+    count, loss, *totals = (sum(column) for column in zip(*(sums for _, sums in gathered)))
     return eval_means({"loss": loss, **dict(zip(metrics, totals))}, count, rank=w.rank)

@@ -4,6 +4,7 @@ _rescale_groups and _rescale_scheduler_states for a resumed or resized run."""
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from hvdp.core.world import elastic
 from hvdp.torch.collectives import _check_same_model, broadcast
 from hvdp.torch.runtime import COMPUTING, _plain, hvd, init
 from hvdp.torch.sync_batchnorm import _convert_sync_batchnorm
+from hvdp.torch.usage import _Usage
 from hvdp.torch.weights import _Batch, _gradient_hook
 
 _OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
@@ -142,9 +144,10 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     for handle in getattr(model, "_hvdp_accumulation_hooks", ()):
         handle.remove()
     _Batch.accumulating(backward_passes_per_step)
-    model._hvdp_accumulation_hooks = [p.register_hook(_gradient_hook(backward_passes_per_step, schedule))
-                                      for p in model.parameters() if p.requires_grad]
+    hooks = model._hvdp_accumulation_hooks = []
+    trainable = [p for p in model.parameters() if p.requires_grad]
     if shard_optimizer_state:
+        hooks += [p.register_hook(_gradient_hook(backward_passes_per_step, schedule)) for p in trainable]
         from hvdp.torch.sharded import ShardedOptimizer  # it builds on this module
         if not elastic():  # under elastic, ElasticState.sync() and entered() do it, with the ranks there are then
             _check_same_model(model)
@@ -155,6 +158,14 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     dist = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), compression=_COMPRESSIONS[compression],
         op=_OPS[op], backward_passes_per_step=backward_passes_per_step)
+    # Parameters no rank used keep grad None; ones unfrozen or added later are hooked (hvdp.torch.usage).
+    # Adasum reduces in its step(), parameter by parameter: it keeps Horovod's behaviour.
+    usage = None if op == "adasum" else _Usage(dist, schedule, hooks, set(trainable))
+    hooks += [p.register_hook(_gradient_hook(backward_passes_per_step, schedule, usage)) for p in trainable]
+    dist._hvdp_usage = usage
+    # Horovod builds its wrapper with the optimizer class's default arguments (AdamW(params): weight_decay=0.01),
+    # which add_param_group() fills a new group from: the user's are those of the optimizer they built.
+    dist.defaults = optimizer.defaults
     if not elastic():
         _check_same_model(model)
         broadcast(model, dist)  # under elastic, ElasticState.sync() does it, with the ranks there are then
@@ -165,12 +176,16 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     dist.step = types.MethodType(_step, dist)
     if op != "adasum":  # Adasum's synchronize() does nothing; its step() reduces
         dist.synchronize = types.MethodType(_synchronize, dist)
+        dist.add_param_group = types.MethodType(_add_param_group, dist)
     return dist
 
 
 def _zero_grad(optimizer, set_to_none: bool = True):
     # Horovod's zero_grad() takes no arguments (horovod#4026), so `zero_grad(set_to_none=True)` raised
     # TypeError. Keep its race guard and pass the argument on to torch's Optimizer.zero_grad.
+    usage = getattr(optimizer, "_hvdp_usage", None)
+    if usage is not None:
+        usage.abandon()
     if optimizer._handles:
         raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
                              "or optimizer.synchronize(). This is prohibited as it can cause a race condition.")
@@ -185,8 +200,12 @@ def _step(optimizer, *args, **kwargs):
     kept = [g["lr"] for g in groups]
     for g in groups:
         g["lr"] = s.rate(g["lr"], step=s.step)
+    usage = getattr(optimizer, "_hvdp_usage", None)
+    # synchronize() ran and no gradient arrived since: step without Horovod's warning (synchronize is idempotent)
+    done = usage is not None and optimizer._synchronized and not usage.fresh
     try:
-        result = type(optimizer).step(optimizer, *args, **kwargs)
+        with optimizer.skip_synchronize() if done else contextlib.nullcontext():
+            result = type(optimizer).step(optimizer, *args, **kwargs)
     finally:
         for g, lr in zip(groups, kept):
             g["lr"] = lr
@@ -198,9 +217,29 @@ def _step(optimizer, *args, **kwargs):
 
 def _synchronize(optimizer):
     """Horovod's synchronize() (the all-reduce of this step's gradients), then count the step: a step that
-    GradScaler skips after it never calls step(), yet its batches were trained on."""
-    type(optimizer).synchronize(optimizer)
+    GradScaler skips after it never calls step(), yet its batches were trained on.
+
+    The parameters no rank used are left out and keep grad None (hvdp.torch.usage). Idempotent: called again
+    with no gradient computed since (a logging helper, then the clipping recipe), it does nothing (Horovod's
+    would all-reduce the averaged gradients once more)."""
+    usage = optimizer._hvdp_usage
+    if optimizer._synchronized and not usage.fresh and not optimizer._handles:
+        return
+    unused = usage.before_synchronize()
+    try:
+        type(optimizer).synchronize(optimizer)
+    finally:
+        usage.after_synchronize(unused)
     _counted(optimizer.hvdp_schedule)
+
+
+def _add_param_group(optimizer, param_group: dict) -> None:
+    """torch's add_param_group, the new group's rate scaled for the world as prepare() scaled the others', and
+    its parameters hooked now (their gradients all-reduced and weighted as the others')."""
+    type(optimizer).add_param_group(optimizer, param_group)
+    added = optimizer.param_groups[-1]
+    added["lr"] = optimizer.hvdp_schedule.rate(added["lr"], scaled_by=1.0)
+    optimizer._hvdp_usage.adopt()
 
 
 def _counted(s: _Schedule) -> None:

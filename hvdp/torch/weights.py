@@ -49,10 +49,16 @@ class _Batch:
         return cls._cached[3]
 
 
-def _gradient_hook(passes: int, schedule: Any = None) -> Callable:
+def _gradient_hook(passes: int, schedule: Any = None, usage: Any = None) -> Callable:
+    """The hook prepare() puts on each trainable parameter: it divides the gradient by the k accumulated passes
+    and weights an epoch's uneven last step (_Batch), marks the step as having gradients (schedule.fresh), and
+    tells the allreduce path's usage tracking (usage.gradient_arrived, hvdp.torch.usage) that a backward pass
+    runs."""
     def hook(grad):
         if schedule is not None:
             schedule.fresh = True  # a backward pass of the coming optimizer step (see optimizer._counted)
+        if usage is not None:
+            usage.gradient_arrived()
         weight = _Batch.factor(passes)
         if weight == 1.0:
             return grad / passes if passes > 1 else None  # None: the gradient as it is

@@ -1294,6 +1294,269 @@ def prepare_says_what_it_did_to_the_rate_on_rank_0(tmp):
         assert not said and not adaptive, (said, adaptive)
 
 
+# ------------------------------------------------------------------ the models people bring (issue 44)
+# Each rank trains through hvdp on its b samples of a global batch of N*b; a plain torch copy trains on the
+# whole global batch at the scaled rate (N x base), its loss the mean of the N chunks' mean losses (one
+# process's mean over N*b samples, with a branch decided per chunk as each rank decides it).
+
+def _chunks(step, b=4, d=6):
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(world.size * b, d, generator=g), torch.randint(0, 3, (world.size * b,), generator=g)
+    return [(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]) for r in range(world.size)]
+
+
+def _max_diff(a, b):
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+class _Experts(torch.nn.Module):
+    """Two experts; which runs is decided per batch (routing), so an expert can go unused on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.trunk = torch.nn.Linear(6, 8)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 3) for _ in range(2))
+
+    def forward(self, x, expert):
+        return self.experts[expert](torch.relu(self.trunk(x)))
+
+
+def _route(step, rank):
+    # steps 0-2: expert 0 on every rank (expert 1 unused everywhere); step 3: expert 1 on rank 0 only;
+    # step 4: expert 1 everywhere; step 5: expert 0 everywhere again (expert 1 unused, with Adam state)
+    return {3: 1 if rank == 0 else 0, 4: 1}.get(step, 0)
+
+
+@check
+def unused_expert_keeps_no_gradient_and_moves_as_in_one_process(tmp):
+    # issue 44: Horovod filled an unused expert's gradient with zeros: AdamW decayed and moved it (0.09 in 3 steps)
+    model, ref = _Experts(), _Experts()
+    opt = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01 * world.size, weight_decay=0.1)
+    for step in range(6):
+        chunks = _chunks(step)
+        opt.zero_grad()
+        F.cross_entropy(model(*chunks[world.rank][:1], _route(step, world.rank)), chunks[world.rank][1]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        sum(F.cross_entropy(ref(x, _route(step, r)), y) for r, (x, y) in enumerate(chunks)).div(world.size).backward()
+        ref_opt.step()
+        unused_everywhere = step in (0, 1, 2, 5)
+        assert (model.experts[1].weight.grad is None) == unused_everywhere, (step, model.experts[1].weight.grad)
+        assert _max_diff(model, ref) < 1e-6, (step, _max_diff(model, ref))
+    assert opt.state[model.experts[1].weight]["step"] == ref_opt.state[ref.experts[1].weight]["step"] == 2
+    ht.check_consistency(model)
+
+
+class _SparseText(torch.nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        torch.manual_seed(6)
+        self.emb = torch.nn.Embedding(20, 4, sparse=sparse)
+        self.bag = torch.nn.EmbeddingBag(20, 4, mode="mean", sparse=sparse)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, tokens, with_text=True):
+        if not with_text:  # a batch without text: neither embedding is used
+            return self.out(torch.zeros(len(tokens), 8))
+        return self.out(torch.cat([self.emb(tokens).mean(1), self.bag(tokens)], 1))
+
+
+@check
+def embeddings_dense_and_sparse_average_as_one_process(tmp):
+    # issue 44: duplicate token ids within and across ranks are a sum; a rank whose batch used no embedding
+    # joins the others' sparse all-gather (Horovod's zero fill sent a dense all-reduce against it: a hang)
+    cases = [(False, lambda ps, lr: torch.optim.Adam(ps, lr=lr)), (False, lambda ps, lr: torch.optim.AdamW(ps, lr=lr)),
+             (False, lambda ps, lr: torch.optim.RMSprop(ps, lr=lr)), (True, lambda ps, lr: torch.optim.SGD(ps, lr=lr)),
+             (True, lambda ps, lr: torch.optim.Adagrad(ps, lr=lr)), (True, lambda ps, lr: torch.optim.SparseAdam(ps, lr=lr))]
+    for sparse, make in cases:
+        model, ref = _SparseText(sparse), _SparseText(sparse)
+        # SparseAdam takes sparse gradients only: it steps the embeddings, the dense layer stays as built
+        trained = (lambda m: [p for n, p in m.named_parameters() if not n.startswith("out")]) \
+            if make is cases[-1][1] else (lambda m: list(m.parameters()))
+        opt = ht.prepare(model, make(trained(model), 0.05))
+        ref_opt = make(trained(ref), 0.05 * world.size)
+        for step in range(4):
+            g = torch.Generator().manual_seed(50 + step)
+            tokens = torch.randint(0, 6, (world.size * 3, 5), generator=g)  # few ids: duplicates everywhere
+            y = torch.randint(0, 3, (world.size * 3,), generator=g)
+            text = [not (step == 2 and r == world.size - 1) for r in range(world.size)]  # last rank: no text once
+            mine = slice(world.rank * 3, world.rank * 3 + 3)
+            opt.zero_grad()
+            F.cross_entropy(model(tokens[mine], text[world.rank]), y[mine]).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            sum(F.cross_entropy(ref(tokens[r * 3:r * 3 + 3], text[r]), y[r * 3:r * 3 + 3])
+                for r in range(world.size)).div(world.size).backward()
+            ref_opt.step()
+            assert _max_diff(model, ref) < 1e-6, (sparse, type(ref_opt).__name__, step, _max_diff(model, ref))
+        ht.check_consistency(model)
+
+
+class _FineTune(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.backbone = torch.nn.Linear(6, 8)
+        self.neck = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.neck(torch.relu(self.backbone(x)))))
+
+
+def _fine_tune_events(step, model, opt, lr):
+    if step == 2:  # unfreeze the neck, which the optimizer held while frozen
+        model.neck.requires_grad_(True)
+    if step == 3:  # the backbone joins in a param group of its own, with its own rate
+        model.backbone.requires_grad_(True)
+        opt.add_param_group({"params": list(model.backbone.parameters()), "lr": lr / 2})
+
+
+def _fine_tune_setup(prepared):
+    model = _FineTune()
+    model.backbone.requires_grad_(False)
+    model.neck.requires_grad_(False)
+    params = list(model.neck.parameters()) + list(model.head.parameters())
+    if prepared:
+        return model, ht.prepare(model, torch.optim.AdamW(params, lr=0.01, weight_decay=0.05))
+    return model, torch.optim.AdamW(params, lr=0.01 * world.size, weight_decay=0.05)
+
+
+def _fine_tune_step(step, model, opt, lr, reference):
+    _fine_tune_events(step, model, opt, lr)
+    chunks = _chunks(step)
+    opt.zero_grad()
+    if reference:
+        sum(F.cross_entropy(model(x), y) for x, y in chunks).div(world.size).backward()
+    else:
+        F.cross_entropy(model(chunks[world.rank][0]), chunks[world.rank][1]).backward()
+    opt.step()
+
+
+@check
+def unfrozen_and_added_parameters_train_as_in_one_process_and_resume(tmp):
+    # issue 44: a parameter unfrozen after prepare(), or added by add_param_group(), had no hook: it trained on
+    # its rank's own gradient (replicas 0.088 apart after 3 steps) at an unscaled rate
+    model, opt = _fine_tune_setup(prepared=True)
+    ref, ref_opt = _fine_tune_setup(prepared=False)
+    directory = tmp / "fine_tune"
+    for step in range(6):
+        _fine_tune_step(step, model, opt, 0.01, reference=False)
+        _fine_tune_step(step, ref, ref_opt, 0.01 * world.size, reference=True)
+        assert _max_diff(model, ref) < 1e-6, (step, _max_diff(model, ref))
+        if step == 4:
+            ht.save_checkpoint(directory, model, opt, epoch=0, step=step + 1, global_step=step + 1)
+    ht.check_consistency(model)
+    assert opt.param_groups[1]["lr"] == pytest_approx(0.01 / 2 * world.size)
+    # resumed: the script re-creates the same groups (as it must for torch's load_state_dict), then loads
+    again, again_opt = _fine_tune_setup(prepared=True)
+    for step in range(4):
+        _fine_tune_events(step, again, again_opt, 0.01)
+    ht.load_checkpoint(directory, again, again_opt)
+    _fine_tune_step(5, again, again_opt, 0.01, reference=False)
+    assert all(torch.equal(p, q) for p, q in zip(again.parameters(), model.parameters()))
+
+
+def pytest_approx(x, rel=1e-9):
+    class _Approx(float):
+        def __eq__(self, other):
+            return abs(other - x) <= rel * abs(x)
+    return _Approx(x)
+
+
+@check
+def synchronize_twice_reduces_once(tmp):
+    # issue 44: a second synchronize() in a step (a logging helper, then the clipping recipe) reduced the
+    # already-reduced gradients again: with op="sum" they grew N-fold
+    model = _Experts()
+    opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), op="sum")
+    x, y = _chunks(0)[world.rank]
+    F.cross_entropy(model(x, 0), y).backward()
+    opt.synchronize()
+    first = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+    with opt.skip_synchronize():
+        opt.step()
+    second = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second))
+    opt.zero_grad()
+    F.cross_entropy(model(x, 0), y).backward()
+    opt.synchronize()
+    after = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    opt.step()  # step() after synchronize(), no skip_synchronize: no second reduce either
+    assert all(torch.equal(a, p.grad) for a, p in zip(after, [p for p in model.parameters() if p.grad is not None]))
+
+
+class _RandomData(torch.utils.data.Dataset):
+    """The DDP tutorial's dataset: its data drawn with torch.rand when it is built."""
+
+    def __init__(self, n=64):
+        self.x, self.y = torch.rand(n, 6), torch.randint(0, 3, (n,))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class _Augmented(_RandomData):
+    def __getitem__(self, i):  # a random augmentation from the global generator: not a difference in the data
+        return self.x[i] + 0.01 * torch.randn(6), self.y[i]
+
+
+@check
+def custom_datasets_and_evaluation_data_checked_across_ranks(tmp):
+    # issue 44: shard()'s fingerprint covered tensors, arrays and file lists only: the DDP tutorial's unseeded
+    # dataset trained each rank on other data, silently; evaluate() took any data
+    torch.manual_seed(100 + world.rank)
+    unseeded = _RandomData()
+    if world.size > 1:
+        e = expect(ConfigError, lambda: ht.shard(unseeded, batch_size=4), "torch.manual_seed(0)")
+        assert "rank 1" in str(e), e
+    torch.manual_seed(0)
+    seeded = _RandomData()
+    ht.shard(seeded, batch_size=4)
+    torch.manual_seed(0)
+    augmented = _Augmented()
+    torch.manual_seed(100 + world.rank)  # the ranks' generators differ: the items are read alike all the same
+    before = torch.rand(1)
+    torch.manual_seed(100 + world.rank)
+    ht.shard(augmented, batch_size=4)
+    assert torch.equal(torch.rand(1), before)  # and the global generator is left as it was
+    ht.shard(unseeded, batch_size=4, check_items=False)  # the way out for a dataset hvdp cannot read alike
+    model = torch.nn.Linear(6, 3)
+    data = _data(n=40)
+    exact = ht.evaluate(model, data)
+    order = torch.randperm(40) if world.rank else torch.arange(40)  # an unseeded shuffle on rank 1
+    shuffled = torch.utils.data.TensorDataset(*(t[order] for t in data.tensors))
+    if world.size > 1:
+        e = expect(ConfigError, lambda: ht.evaluate(model, shuffled), "evaluate()")
+        assert "fingerprint" in str(e) and "rank 1" in str(e), e
+        expect(ConfigError, lambda: ht.evaluate(model, unseeded), "torch.manual_seed(0)")
+    assert ht.evaluate(model, seeded)["samples"] == 64 and exact["samples"] == 40
+
+
+@check
+def peeking_at_a_batch_warns_that_its_epoch_went_by(tmp):
+    import warnings
+
+    from hvdp.torch.data import PeekWarning
+
+    loader = ht.shard(_data(), batch_size=8)
+    next(iter(loader))  # a peek: epoch 0 ends here
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # the next epoch (warned about once), then another
+            for _ in loader:
+                pass
+    peeks = [w for w in caught if issubclass(w.category, PeekWarning)]
+    assert len(peeks) == 1 and "epoch 0" in str(peeks[0].message), [str(w.message) for w in caught]
+
+
 if __name__ == "__main__":
     world = ht.init()
     main(lambda obj: hvd.allgather_object(obj, name="checks.results"), world.rank)
