@@ -75,11 +75,16 @@ def test_verify_a_compiled_model_under_autocast():
 
 
 def test_verify_catches_a_non_equivalent_model():
-    # Per-rank BatchNorm statistics differ from the big batch's: verify must say so and exit non-zero.
+    # Per-rank BatchNorm statistics differ from the big batch's: verify must say so and exit non-zero, and name
+    # the weight that differs most and the cause (the model's BatchNorm layer "1", and sync_batchnorm was off).
     proc = hvdp("verify", "--framework", "torch", "--np", "2", "--model", "tests.fixtures.models:with_batchnorm")
     verdict = _verdict(proc)
     assert proc.returncode != 0 and not verdict["ok"] and verdict["max_abs_diff"] > 1e-4, verdict
     assert "FAIL" in proc.stdout
+    assert verdict["plain_batchnorm"] == ["1"] and verdict["data_identical"] and not verdict["data_problem"], verdict
+    assert f"differs most: {verdict['worst']} (max |dw| = {verdict['max_abs_diff']:.3g})" in proc.stdout
+    assert len(verdict["causes"]) == 1 and verdict["causes"][0].startswith("BatchNorm without SyncBatchNorm"), verdict
+    assert "likely cause: BatchNorm without SyncBatchNorm: layer 1 normalises each rank's batch" in proc.stdout
 
 
 @pytest.mark.parametrize("args,size", [(["--np", "2"], 2), (["--np", "3", "--gloo"], 3)], ids=["mpi-np2", "gloo-np3"])

@@ -73,69 +73,73 @@ def _leftover(leftover: int | None, size: int, batch_size: int) -> int:
     return leftover
 
 
-def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
-           factory=None, input_shape: tuple[int, ...] = (20,), leftover: int | None = None,
-           compile: str | None = None, amp: str | None = None, stream: int | None = None,
-           shard: bool = False, clip: float | None = None, groups: int = 1, keep: list | None = None) -> dict:
-    """`compile`: the ranks train hvdp.torch.compile(model, backend=compile), the reference stays eager.
-    `amp` ("bf16" or "fp16"): both sides run the forward pass under torch.autocast of that dtype, fp16 with
-    a GradScaler (the recipe of docs/pytorch.md: unscale after the all-reduce).
-    `stream` (a number of DataLoader workers, 0 for none): the ranks read the data as a stream of unknown
-    length (an IterableDataset) and step after the loop for a short last accumulation; the reference reads
-    it in the stream's order.
-    `shard`: the ranks train with prepare(..., shard_optimizer_state=True) (ZeRO-1/2).
-    `clip`: both sides clip the (averaged) gradients to this global norm before each step (the sharded
-    optimizer's clip_grad_norm_, else torch.nn.utils.clip_grad_norm_ after synchronize()).
-    `groups`: 1, or 2 param groups (param_groups()) on both sides.
-    `keep`: a list the trained model is appended to (every rank), for a comparison between runs."""
+def compare_torch(*, build, optimizer, data, lr: float, steps: int, batch_size: int, accumulate: int = 1,
+                  leftover: int | None = None, seed: int = 0, loss=None, shard: bool = False,
+                  sync_batchnorm: bool = False, before_step=None, compile: str | None = None,
+                  amp: str | None = None, stream: int | None = None, clip: float | None = None,
+                  keep: list | None = None) -> dict:
+    """N ranks training `build()` through hvdp.torch against one plain torch process with the global batch.
+
+    The one function behind `hvdp verify` (torch) and the torch cases of `hvdp verify --zoo`. Every rank builds
+    the model from its own seed (the broadcast in prepare() is tested), trains `steps` optimizer steps of
+    `accumulate` batches of `batch_size` on its shard, plus a short last step of `leftover` samples (default
+    N*b - 1); rank 0 replays the same steps as one process on a deep copy of its initial model, with a plain
+    torch optimizer at N*k times the rate (the linear rule, written out here) and nothing of hvdp's.
+
+    build(): a new model. optimizer(model, lr): a new torch optimizer over it at base rate lr.
+    data(n, model): n samples as tensors (or arrays) with the samples on the first axis, the target last; every
+    rank must make the same (a digest of them is compared). loss(model, inputs, target): the batch's mean loss
+    (default: cross-entropy of model(*inputs)). before_step(step, model, optimizer, lr): called on both sides
+    before each optimizer step's first forward pass, with that side's model, optimizer and base rate (what a
+    fine-tuning recipe does: requires_grad_(True), add_param_group). sync_batchnorm and shard: prepare()'s
+    sync_batchnorm and shard_optimizer_state. compile, amp, stream, clip: see _torch. keep: a list the
+    ranks' trained model is appended to.
+
+    Returns on every rank: {"rank", "size", "steps", "max_abs_diff", "worst" (the state_dict entry that differs
+    most), "replicas_identical", ...} and what explain() reads: "data_identical", "data_problem",
+    "no_grad" ({parameter: steps in which one process's backward gave it no gradient}), "unfrozen_after_prepare",
+    "added_after_prepare", "plain_batchnorm"."""
     import copy
 
     import torch
-    import torch.nn.functional as F
 
     import hvdp.torch as ht
     from hvdp.core.errors import DivergenceError
 
     world = ht.init()
     torch.manual_seed(seed + 1000 * world.rank + 1)  # deliberately different initial weights per rank
-    if factory is not None:
-        model = factory()
-    else:
-        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), 32),
-                                    torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    with torch.no_grad():
-        classes = model(torch.zeros(2, *input_shape)).shape[-1]  # before the model moves to the rank's device
-
-    def make_optimizer(module, rate):
-        return OPTIMIZERS[optimizer](param_groups(module, rate, groups))
-
+    model = build()
     leftover = _leftover(leftover, world.size, batch_size)
     n = steps * accumulate * world.size * batch_size + leftover
-    x, y = (torch.from_numpy(a) for a in synthetic_data(n, input_shape, classes, seed))
+    tensors = tuple(torch.as_tensor(t) for t in data(n, model))
     where = ht.device()  # the rank's GPU when there is one: both sides compute there
     model.to(where)
     # Rank 0's initial weights are what every rank holds after the broadcast in prepare().
     reference = copy.deepcopy(model) if world.rank == 0 else None
-
+    loss = loss or _cross_entropy
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
 
-    def loss_of(module, xb, yb):
+    def loss_of(module, batch):
         with torch.autocast(where.type, dtype=dtype, enabled=dtype is not None):
-            return F.cross_entropy(module(xb.to(where)), yb.to(where))
+            return loss(module, tuple(t.to(where) for t in batch[:-1]), batch[-1].to(where))
 
     def scaler():  # fp16 gradients underflow without loss scaling; bf16 and fp32 need none
         return torch.amp.GradScaler(where.type, enabled=amp == "fp16")
 
-    dist = ht.prepare(model, make_optimizer(model, lr), backward_passes_per_step=accumulate,
-                      shard_optimizer_state=shard)
+    inner = optimizer(model, lr)
+    in_optimizer, groups = [p for g in inner.param_groups for p in g["params"]], len(inner.param_groups)
+    dist = ht.prepare(model, inner, backward_passes_per_step=accumulate, shard_optimizer_state=shard,
+                      sync_batchnorm=sync_batchnorm)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     forward = ht.compile(model, backend=compile) if compile else model
+    indexed = (torch.arange(n), *tensors)  # which samples each rank trains on, checked against one process's
     if stream is None:
-        loader = ht.shard(torch.utils.data.TensorDataset(x, y), batch_size=batch_size, seed=seed)
+        loader = ht.shard(torch.utils.data.TensorDataset(*indexed), batch_size=batch_size, seed=seed)
         batches = len(loader)
     else:
-        loader = ht.shard(_pair_stream(x, y), batch_size=batch_size, seed=seed, num_workers=stream)
+        loader = ht.shard(_pair_stream(*indexed), batch_size=batch_size, seed=seed, num_workers=stream)
         batches = None  # unknown until the stream ends: the short last step comes after the loop
-    scale, i, clipped = scaler(), -1, []
+    scale, i, clipped, seen = scaler(), -1, [], []
 
     def clip_(module, opt):  # the global norm of the averaged gradients, as one process clips its own
         if clip is None:
@@ -158,8 +162,15 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
             dist.step()
         dist.zero_grad()
 
-    for i, (xb, yb) in enumerate(loader):
-        scale.scale(loss_of(forward, xb, yb)).backward()
+    later = set()  # parameters trainable at some step that were not at prepare()
+    for i, (index, *batch) in enumerate(loader):
+        if i % accumulate == 0:
+            if before_step is not None:
+                before_step(len(seen), model, dist, lr)
+            later |= {name for name, p in model.named_parameters() if p.requires_grad} - trainable
+            seen.append([])
+        seen[-1] += index.tolist()
+        scale.scale(loss_of(forward, batch)).backward()
         if (i + 1) % accumulate == 0 or i + 1 == batches:
             step()
     if batches is None and (i + 1) % accumulate:
@@ -170,35 +181,238 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
         identical = True
     except DivergenceError:
         identical = False
+    # Parameters that joined the optimizer after prepare(): those training now that were not in it then, when it
+    # has more param groups than then (the sharded layout keeps flat shards in its groups: not looked into).
+    known = {id(p) for p in in_optimizer}
+    added = sorted(name for name, p in model.named_parameters() if p.requires_grad and id(p) not in known) \
+        if len(dist.param_groups) > groups else []
+    plain_bn = sorted(name for name, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                      and not isinstance(m, (ht.SyncBatchNorm, torch.nn.SyncBatchNorm)))
+    mine = {"digest": _digest(t.cpu().numpy() for t in tensors), "seen": seen}
 
-    def reference_diff():  # rank 0 alone: one process with the global batch, from the same initial weights
+    def reference_run():  # rank 0 alone: one process with the global batch, from the same initial weights
+        gathered = ht.hvd.allgather_object(mine, name="hvdp.verify.data") if world.size > 1 else [mine]
         if reference is None:
             return None
-        ref_opt = make_optimizer(reference, lr * lr_multiplier(
-            "linear", world.size, backward_passes_per_step=accumulate))
+        rate = lr * world.size * accumulate  # one process at N*k times the rate: the linear rule
+        ref_opt = optimizer(reference, rate)
         plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed, shuffle=stream is None)
-        ref_scale = scaler()
-        for idx in plan.batches(epoch=0):
+        ref_scale, no_grad, global_batches = scaler(), {}, list(plan.batches(epoch=0))
+        ref_params = dict(reference.named_parameters())
+        for s, idx in enumerate(global_batches):
+            if before_step is not None:
+                before_step(s, reference, ref_opt, rate)
             idx = torch.from_numpy(idx)
-            ref_scale.scale(loss_of(reference, x[idx], y[idx])).backward()
+            ref_scale.scale(loss_of(reference, tuple(t[idx] for t in tensors))).backward()
+            for name, p in ref_params.items():
+                if p.requires_grad and p.grad is None:
+                    no_grad[name] = no_grad.get(name, 0) + 1
             ref_scale.unscale_(ref_opt)
             clip_(reference, ref_opt)
             ref_scale.step(ref_opt)
             ref_scale.update()
             ref_opt.zero_grad()
-        return max(float((a - b).abs().max()) for a, b in zip(model.state_dict().values(),
-                                                              reference.state_dict().values()))
+        ours, theirs = model.state_dict(), reference.state_dict()
+        diffs = {k: float((v.double() - theirs[k].double()).abs().max()) if v.numel() else 0.0
+                 for k, v in ours.items()}
+        worst = max(diffs, key=diffs.get)
+        return {"max_abs_diff": diffs[worst], "worst": worst, "no_grad": no_grad,
+                "data_identical": all(g["digest"] == mine["digest"] for g in gathered),
+                "data_problem": _data_problem([g["seen"] for g in gathered], global_batches, n)}
 
     # An error in rank 0's reference run is raised on every rank (the others would wait for its result).
-    diff = gather_or_raise(ht.hvd, reference_diff, name="hvdp.verify.diff", operation="hvdp verify")[0]
+    outcome = gather_or_raise(ht.hvd, reference_run, name="hvdp.verify.diff", operation="hvdp verify")[0]
     if keep is not None:
         keep.append(model)
-    return {"rank": world.rank, "size": world.size, "framework": "torch", "optimizer": optimizer,
-            "steps": steps + (1 if leftover else 0), "accumulate": accumulate, "leftover": leftover,
-            "compile": compile, "amp": amp, "stream": stream, "device": str(where),
-            "sharded": shard, "groups": groups, "clip": clip, "clipped_steps": sum(clipped),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "max_abs_diff": diff, "replicas_identical": identical}
+    return {"rank": world.rank, "size": world.size, "framework": "torch", "steps": len(seen),
+            "accumulate": accumulate, "leftover": leftover, "compile": compile, "amp": amp, "stream": stream,
+            "device": str(where), "sharded": shard, "clip": clip, "clipped_steps": sum(clipped),
+            "parameters": sum(p.numel() for p in model.parameters()), "replicas_identical": identical,
+            "unfrozen_after_prepare": sorted(later), "added_after_prepare": added, "plain_batchnorm": plain_bn,
+            "sync_batchnorm": sync_batchnorm, **outcome}
+
+
+def explain(result: dict) -> list[str]:
+    """The likely causes of a FAIL that the run can see, each "cause: why, and the fix", most likely first:
+    per-rank data, the samples trained on, plain BatchNorm, parameters unfrozen or added after prepare(), and
+    parameters that got no gradient in some steps. Empty when it sees none. Reads compare_torch's (and
+    _keras_result's) fields; a result without one of them says nothing about that cause."""
+    out = []
+    if result.get("data_identical") is False:
+        out.append("per-rank data: the training data differs between the ranks (its digest on some rank is not "
+                   "rank 0's), so they do not train on the one data set one process reads; build it from a fixed "
+                   "seed on every rank (torch.manual_seed / np.random.default_rng(seed) before making it)")
+    if result.get("data_problem"):
+        out.append(f"the samples: {result['data_problem']}")
+    if result.get("plain_batchnorm") and result.get("size", 1) > 1:
+        layers = result["plain_batchnorm"]
+        which = f"layer {layers[0]} normalises" if len(layers) == 1 else f"layers {', '.join(layers[:4])} normalise"
+        out.append(f"BatchNorm without SyncBatchNorm: {which} each rank's batch on its own, one process the global "
+                   f"batch; use prepare(..., sync_batchnorm=True) (Keras: hvdp.keras.SyncBatchNormalization)")
+    if result.get("unfrozen_after_prepare"):
+        names = ", ".join(result["unfrozen_after_prepare"][:4])
+        out.append(f"a parameter without a gradient hook: {names} began to require gradients after prepare() "
+                   f"(requires_grad_(True) later), and prepare() set up the gradient averaging for the parameters "
+                   f"that required them at the call")
+    if result.get("added_after_prepare"):
+        names = ", ".join(result["added_after_prepare"][:4])
+        out.append(f"a parameter added after prepare(): {names} joined the optimizer with add_param_group() after "
+                   f"prepare()")
+    if result.get("no_grad"):
+        names = ", ".join(f"{k} ({v} of {result.get('steps', '?')} steps)" for k, v in list(result["no_grad"].items())[:4])
+        out.append(f"a parameter that got no gradient: in one process {names}: its optimizer skips a parameter "
+                   f"whose grad is None (no decay, no moment update); N ranks must skip it too")
+    return out
+
+
+# Why `hvdp verify --model` makes random layers deterministic (printed with the layers it changed).
+RANDOM_LAYERS_WHY = ("their masks and noise are drawn on each rank from its own random stream, so no data-parallel "
+                     "run can match one process bit for bit with them on; the check proves the rest of the "
+                     "training step, and a random layer is per-sample (nothing in it is averaged across ranks)")
+
+
+def deterministic_torch(model) -> list[str]:
+    """Make `model`'s random layers deterministic for the check, in place; return "name (Class: what)" for each.
+
+    Dropout layers (nn.Dropout, Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout) with p > 0 and stochastic
+    depth (torchvision's StochasticDepth, timm's DropPath) go to eval mode; a recurrent layer's or
+    MultiheadAttention's dropout becomes 0; a random augmentation module without parameters (a torchvision
+    transform named Random*) becomes the identity."""
+    import torch
+    changed = []
+    for name, m in model.named_modules():
+        kind = type(m).__name__
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            m.eval()
+            changed.append(f"{name} ({kind} p={m.p:g}: eval mode)")
+        elif kind in ("StochasticDepth", "DropPath"):
+            m.eval()
+            changed.append(f"{name} ({kind}: eval mode)")
+        elif isinstance(m, (torch.nn.RNNBase, torch.nn.MultiheadAttention)) and getattr(m, "dropout", 0) > 0:
+            changed.append(f"{name} ({kind} dropout={m.dropout:g}: 0)")
+            m.dropout = 0.0
+        elif kind.startswith(("Random", "RandAugment", "AutoAugment", "TrivialAugment", "AugMix")) and \
+                not any(True for _ in m.parameters()):
+            m.forward = _identity
+            changed.append(f"{name} ({kind}: the identity)")
+    return changed
+
+
+def _identity(x, *args, **kwargs):
+    return x
+
+
+def deterministic_keras(model) -> list[str]:
+    """deterministic_torch for a Keras model: Dropout, SpatialDropout*, GaussianDropout and AlphaDropout get
+    rate 0, GaussianNoise stddev 0, and the random augmentation layers (Random*, RandAugment, AugMix) become
+    the identity. Call it before compile() and fit (they trace the layers' calls then)."""
+    changed = []
+    for layer in _keras_layers(model):
+        kind = type(layer).__name__
+        if hasattr(layer, "rate") and ("Dropout" in kind) and layer.rate > 0:
+            changed.append(f"{layer.name} ({kind} rate={layer.rate:g}: 0)")
+            layer.rate = 0.0
+        elif kind == "GaussianNoise" and layer.stddev > 0:
+            changed.append(f"{layer.name} ({kind} stddev={layer.stddev:g}: 0)")
+            layer.stddev = 0.0
+        elif kind.startswith(("Random", "RandAugment", "AugMix")):
+            layer.call = _identity
+            changed.append(f"{layer.name} ({kind}: the identity)")
+    return changed
+
+
+def _keras_layers(model):
+    """Every layer inside `model`, nested models' and custom layers' sublayers included."""
+    return model._flatten_layers(include_self=False, recursive=True)
+
+
+def user_data(made, n: int):
+    """The first `n` samples of `hvdp verify --data`'s FACTORY() result: (inputs, targets) as arrays or tensors with
+    the samples first, or a map-style Dataset of (input, target) pairs."""
+    import torch
+    if isinstance(made, (tuple, list)) and len(made) == 2:
+        inputs, targets = (torch.as_tensor(t) for t in made)
+    else:
+        size = len(made)
+        pairs = [made[i] for i in range(min(n, size))]
+        inputs = torch.stack([torch.as_tensor(p[0]) for p in pairs]) if pairs else torch.zeros(0)
+        targets = torch.as_tensor([int(p[1]) for p in pairs]) if pairs else torch.zeros(0)
+    if len(inputs) < n:
+        raise ValueError(f"--data has {len(inputs)} samples and the run needs {n} (steps x accumulate x ranks x "
+                         f"batch size, plus --leftover): lower --steps or --batch-size, or give more data")
+    return inputs[:n], targets[:n]
+
+
+def _cross_entropy(model, inputs, target):
+    import torch.nn.functional as F
+    return F.cross_entropy(model(*inputs), target)
+
+
+def _digest(arrays) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _data_problem(seen: list[list[list[int]]], global_batches: list, n: int) -> str | None:
+    """What is wrong with the samples the ranks trained on (seen[rank][step]: sample indices), against one
+    process's global batches; None when every step's samples are its global batch's. A sample a rank repeats in
+    the last step to top up a global batch smaller than the world counts once (hvdp weighs it 0)."""
+    steps = {len(s) for s in seen}
+    if steps != {len(global_batches)}:
+        return (f"the ranks took {'/'.join(str(len(s)) for s in seen)} optimizer steps, one process "
+                f"{len(global_batches)}")
+    for s, expected in enumerate(global_batches):
+        got = set().union(*(set(r[s]) for r in seen))
+        if got != set(expected.tolist()):
+            missing, extra = sorted(set(expected.tolist()) - got), sorted(got - set(expected.tolist()))
+            return (f"in step {s} the ranks trained on samples one process's batch does not hold ({extra[:5]}) "
+                    f"or missed some of its samples ({missing[:5]})")
+    return None
+
+
+def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,
+           factory=None, input_shape: tuple[int, ...] = (20,), leftover: int | None = None,
+           compile: str | None = None, amp: str | None = None, stream: int | None = None,
+           shard: bool = False, clip: float | None = None, groups: int = 1, keep: list | None = None,
+           data=None) -> dict:
+    """`hvdp verify`'s torch experiment: `factory()` (default a small MLP) on synthetic data of `input_shape`
+    (or `data()`'s: see user_data), trained with `optimizer` (OPTIMIZERS) over `groups` param groups.
+    `compile`: the ranks train hvdp.torch.compile(model, backend=compile), the reference stays eager.
+    `amp` ("bf16" or "fp16"): both sides run the forward pass under torch.autocast of that dtype, fp16 with
+    a GradScaler (the recipe of docs/pytorch.md: unscale after the all-reduce).
+    `stream` (a number of DataLoader workers, 0 for none): the ranks read the data as a stream of unknown
+    length (an IterableDataset) and step after the loop for a short last accumulation; the reference reads
+    it in the stream's order.
+    `shard`: the ranks train with prepare(..., shard_optimizer_state=True) (ZeRO-1/2).
+    `clip`: both sides clip the (averaged) gradients to this global norm before each step (the sharded
+    optimizer's clip_grad_norm_, else torch.nn.utils.clip_grad_norm_ after synchronize()).
+    `keep`: a list the trained model is appended to (every rank), for a comparison between runs."""
+    import torch
+
+    def build():
+        if factory is not None:
+            return factory()
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), 32),
+                                   torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+    def samples(n, model):
+        if data is not None:
+            return user_data(data(), n)
+        with torch.no_grad():
+            classes = model(torch.zeros(2, *input_shape)).shape[-1]  # before the model moves to the rank's device
+        return synthetic_data(n, input_shape, classes, seed)
+
+    result = compare_torch(build=build, optimizer=lambda module, rate: OPTIMIZERS[optimizer](
+                               param_groups(module, rate, groups)),
+                           data=samples, lr=lr, steps=steps, batch_size=batch_size, accumulate=accumulate,
+                           leftover=leftover, seed=seed, shard=shard, compile=compile, amp=amp, stream=stream,
+                           clip=clip, keep=keep)
+    return {**result, "optimizer": optimizer, "groups": groups}
 
 
 def _uneven_mlp(input_shape: tuple[int, ...]):
@@ -231,9 +445,9 @@ def sharded(*, optimizers: tuple[str, ...], **kw) -> dict:
     return {"rank": cases[0]["rank"], "size": cases[0]["size"], "cases": cases}
 
 
-def _pair_stream(x, y):
-    """(x[i], y[i]) for i in order, as a stream: an IterableDataset without len()."""
-    return __getattr__("_PairStream")(x, y)
+def _pair_stream(*tensors):
+    """(t[i] for t in tensors) for i in order, as a stream: an IterableDataset without len()."""
+    return __getattr__("_PairStream")(*tensors)
 
 
 def __getattr__(name: str):
@@ -244,11 +458,11 @@ def __getattr__(name: str):
     import torch
 
     class _PairStream(torch.utils.data.IterableDataset):
-        def __init__(self, x, y):
-            self.x, self.y = x, y
+        def __init__(self, *tensors):
+            self.tensors = tensors
 
         def __iter__(self):
-            return zip(self.x, self.y)
+            return zip(*self.tensors)
 
     _PairStream.__module__, _PairStream.__qualname__ = __name__, "_PairStream"
     globals()["_PairStream"] = _PairStream
@@ -313,15 +527,22 @@ def _keras_result(framework, world, model, reference, x, y, n, *, batch_size, ac
         plan = ShardPlan(n=n, batch_size=batch_size * world.size * accumulate, seed=seed)
         for idx in plan.batches(epoch=0):
             replay(x[idx], y[idx])
-        return max(float(np_.max(np_.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights()))
+        diffs = [float(np_.max(np_.abs(np_.asarray(a) - np_.asarray(b)))) if np_.size(a) else 0.0
+                 for a, b in zip(model.get_weights(), reference.get_weights())]
+        worst = int(np_.argmax(diffs))
+        return {"max_abs_diff": diffs[worst], "worst": getattr(model.weights[worst], "path", model.weights[worst].name)}
 
     # hvdp.keras's Horovod is the one of Keras's backend (horovod.torch on torch); the custom loop's is TensorFlow's.
     horovod = _keras_backend.horovod() if framework == "keras" else htf.hvd
-    diff = gather_or_raise(horovod, reference_diff, name="hvdp.verify.diff", operation="hvdp verify")[0]
+    outcome = gather_or_raise(horovod, reference_diff, name="hvdp.verify.diff", operation="hvdp verify")[0]
     extra = {"keras_backend": _keras_backend.name()} if framework == "keras" else {}
+    import keras
+    plain_bn = sorted(layer.name for layer in _keras_layers(model)
+                      if isinstance(layer, keras.layers.BatchNormalization) and not getattr(layer, "synchronized", False)
+                      and type(layer).__name__ != "SyncBatchNormalization")
     return {"rank": world.rank, "size": world.size, "framework": framework, "optimizer": optimizer,
             "optimizer_class": optimizer_class, "steps": steps + (1 if leftover else 0), "accumulate": accumulate,
-            "leftover": leftover, "max_abs_diff": diff, "replicas_identical": identical, **extra}
+            "leftover": leftover, "replicas_identical": identical, "plain_batchnorm": plain_bn, **outcome, **extra}
 
 
 def _tensorflow(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: float, seed: int,

@@ -13,6 +13,11 @@ through the allreduce path beside it: the sharded run must meet the same toleran
 
 `--framework keras --keras-backend torch` runs hvdp.keras's model.fit on Keras's PyTorch backend (gradients through
 horovod.torch), the one-process reference on the same backend.
+
+`--model`'s random layers (Dropout, stochastic depth, random augmentation) are made deterministic for the check,
+and the output says which and why (equivalence.deterministic_torch / deterministic_keras). A FAIL names the
+weight that differs most and the likely causes the run can see (equivalence.explain). `--zoo` runs the
+experiment on a model zoo instead (hvdp.tools.zoo).
 """
 
 from __future__ import annotations
@@ -47,11 +52,21 @@ AMP_SHARDED_OPTIMIZERS = ("sgd",)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--framework", choices=FRAMEWORKS, default="torch")
+    parser.add_argument("--framework", choices=FRAMEWORKS,
+                        help="torch (default), tensorflow or keras; with --zoo, the zoo's cases of that framework "
+                             "only (default: all)")
+    parser.add_argument("--zoo", action="store_true",
+                        help="run the model zoo (text CNN, GRU, transformer, mixture-of-experts, fine-tuning, "
+                             "SyncBatchNorm, Adafactor, accumulation; torch on both paths, and Keras's cases): one "
+                             "line per case, exit 1 if any fails; takes --np, --gloo, --framework, --keras-backend")
     parser.add_argument("--np", type=int, default=2, help="ranks to launch (default 2)")
     parser.add_argument("--gloo", action="store_true", help="use the Gloo controller instead of MPI")
     parser.add_argument("--model", metavar="MODULE:FACTORY",
                         help="your model: FACTORY() returns an untrained model (default: a small MLP)")
+    parser.add_argument("--data", metavar="MODULE:FACTORY",
+                        help="torch: your data: FACTORY() returns (inputs, targets) as arrays or tensors with the "
+                             "samples first, or a map-style Dataset of (input, target) pairs; the first samples "
+                             "the run needs are used (default: random inputs of --input-shape)")
     parser.add_argument("--input-shape", default="20", metavar="D[,D...]",
                         help="shape of one input sample for --model, e.g. 3,32,32 (default 20)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS,
@@ -91,6 +106,7 @@ def add_arguments(parser) -> None:
                              ", ".join(f"{k} {v:g}" for k, v in AMP_TOLERANCE.items()) + ")")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", action="store_true", help=argparse_suppress())
+    parser.add_argument("--zoo-part", choices=("torch", "keras"), default="torch", help=argparse_suppress())
 
 
 def argparse_suppress():
@@ -99,6 +115,9 @@ def argparse_suppress():
 
 
 def run(args) -> int:
+    if args.zoo:
+        return _zoo(args)
+    args.framework = args.framework or "torch"
     for name in ("np", "steps", "batch_size", "accumulate"):
         if getattr(args, name) < 1:
             print(f"hvdp verify: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
@@ -117,7 +136,7 @@ def run(args) -> int:
     if args.clip is not None and not args.clip > 0:
         print(f"hvdp verify: --clip must be > 0, got {args.clip}", file=sys.stderr)
         return 2
-    for name in ("compile", "amp", "stream", "device", "clip"):
+    for name in ("compile", "amp", "stream", "device", "clip", "data"):
         if getattr(args, name) not in (None, False) and args.framework != "torch":
             print(f"hvdp verify: --{name} is for --framework torch only", file=sys.stderr)
             return 2
@@ -140,6 +159,27 @@ def run(args) -> int:
     return subprocess.run(cmd).returncode
 
 
+def _zoo(args) -> int:
+    from hvdp.tools import zoo
+    if args.np < 1:
+        print(f"hvdp verify: --np must be >= 1, got {args.np}", file=sys.stderr)
+        return 2
+    given = [f"--{name.replace('_', '-')}" for name in ("model", "data", "optimizer", "sharded", "compile", "amp",
+                                                          "stream", "clip", "tolerance", "leftover")
+             if getattr(args, name) not in (None, False)]
+    if given:
+        print(f"hvdp verify: --zoo runs its own models, optimizers and tolerance ({zoo.TOLERANCE:g}); it takes "
+              f"--np, --gloo, --framework and --keras-backend, not {', '.join(given)}", file=sys.stderr)
+        return 2
+    if args.keras_backend is not None and args.framework not in (None, "keras"):
+        print(f"hvdp verify: --keras-backend is for --framework keras only, got --framework {args.framework}",
+              file=sys.stderr)
+        return 2
+    if args.worker or _launched():
+        return zoo.worker(args.zoo_part)
+    return zoo.run(args)
+
+
 def _launched() -> bool:
     return any(v in os.environ for v in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
 
@@ -157,20 +197,33 @@ def _forward(args) -> list[str]:
     out += ["--stream", str(args.stream)] if args.stream is not None else []
     out += ["--device", args.device] if args.device else []
     out += ["--keras-backend", args.keras_backend] if args.keras_backend else []
+    out += ["--data", args.data] if args.data else []
     return out + (["--model", args.model] if args.model else [])
 
 
-def load_factory(spec: str):
+def load_factory(spec: str, flag: str = "--model"):
     """'package.module:function' -> the function."""
     import importlib
     module, sep, name = spec.partition(":")
     if not sep or not name:
-        raise SystemExit(f"hvdp verify: --model must look like module:factory, got {spec!r}")
+        raise SystemExit(f"hvdp verify: {flag} must look like module:factory, got {spec!r}")
     sys.path.insert(0, os.getcwd())
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise SystemExit(f"hvdp verify: cannot load --model {spec!r}: {e}")
+        raise SystemExit(f"hvdp verify: cannot load {flag} {spec!r}: {e}")
+
+
+def _deterministic(factory, framework: str, changed: list):
+    """`factory` whose models have their random layers made deterministic; `changed` gets what was changed."""
+    from hvdp.tools import equivalence
+    calm = equivalence.deterministic_torch if framework == "torch" else equivalence.deterministic_keras
+
+    def build():
+        model = factory()
+        changed[:] = calm(model)
+        return model
+    return build
 
 
 def _worker(args) -> int:
@@ -182,23 +235,51 @@ def _worker(args) -> int:
         # on --keras-backend, tensorflow unless asked, whatever the caller's KERAS_BACKEND says.
         os.environ["KERAS_BACKEND"] = args.keras_backend or "tensorflow"
     shape = tuple(int(d) for d in args.input_shape.split(","))
-    factory = load_factory(args.model) if args.model else None
+    changed: list[str] = []
+    factory = _deterministic(load_factory(args.model), args.framework, changed) if args.model else None
     common = dict(steps=args.steps, batch_size=args.batch_size, accumulate=args.accumulate, lr=args.lr,
                   seed=args.seed, factory=factory, input_shape=shape, leftover=args.leftover)
     if args.framework == "torch":
-        common.update(compile=args.compile, amp=args.amp, stream=args.stream, clip=args.clip)
+        common.update(compile=args.compile, amp=args.amp, stream=args.stream, clip=args.clip,
+                      data=load_factory(args.data, "--data") if args.data else None)
     if args.sharded:
         return _sharded_worker(args, equivalence.sharded(
-            optimizers=_sharded_optimizers(args), groups=2, **common))
+            optimizers=_sharded_optimizers(args), groups=2, **common), changed)
     optimizer = args.optimizer or "sgd"
     result = equivalence.run(args.framework, optimizer=optimizer, **common)
     ok = result["max_abs_diff"] <= args.tolerance and result["replicas_identical"]
     if result["rank"] == 0:
         verdict = "PASS" if ok else "FAIL"
+        _print_deterministic(changed)
         print(f"{_setup(args, result, optimizer)}: max |dw| = {result['max_abs_diff']:.3g} (tolerance "
               f"{args.tolerance:g}); replicas identical: {result['replicas_identical']} -> {verdict}")
-        print("verify: " + json.dumps({**result, "tolerance": args.tolerance, "ok": ok}, sort_keys=True), flush=True)
+        causes = [] if ok else _print_failure(result)
+        print("verify: " + json.dumps({**result, "tolerance": args.tolerance, "ok": ok,
+                                       "deterministic_layers": changed, "causes": causes}, sort_keys=True),
+              flush=True)
     return 0 if ok else 1
+
+
+def _print_deterministic(changed: list[str]) -> None:
+    from hvdp.tools.equivalence import RANDOM_LAYERS_WHY
+    if changed:
+        print(f"note: random layers made deterministic for the check: {', '.join(changed)}. Why: "
+              f"{RANDOM_LAYERS_WHY}.")
+
+
+def _print_failure(result: dict) -> list[str]:
+    """A FAIL's explanation: the weight that differs most, then the likely causes; returns the causes."""
+    from hvdp.tools.equivalence import explain
+    if result.get("worst"):
+        print(f"differs most: {result['worst']} (max |dw| = {result['max_abs_diff']:.3g})")
+    causes = explain(result)
+    for cause in causes:
+        print(f"likely cause: {cause}")
+    if not causes:
+        print("likely cause: none that hvdp verify can see (per-rank data, BatchNorm without SyncBatchNorm, "
+              "parameters unfrozen or added after prepare(), parameters without a gradient: none found); "
+              "look for code that depends on the batch size or the rank")
+    return causes
 
 
 def _setup(args, result: dict, optimizer: str) -> str:
@@ -225,17 +306,19 @@ def _sharded_optimizers(args) -> tuple[str, ...]:
     return AMP_SHARDED_OPTIMIZERS if args.amp else OPTIMIZERS
 
 
-def _sharded_worker(args, outcome: dict) -> int:
+def _sharded_worker(args, outcome: dict, changed: list[str]) -> int:
     """One line per optimizer, then one JSON line: the largest sharded difference, and every case."""
     for case in outcome["cases"]:
         case["ok"] = case["max_abs_diff"] <= args.tolerance and case["replicas_identical"]
     ok = all(case["ok"] for case in outcome["cases"])
     if outcome["rank"] == 0:
+        _print_deterministic(changed)
         for case in outcome["cases"]:
             print(f"{_setup(args, case, case['optimizer'])}: max |dw| = {case['max_abs_diff']:.3g} sharded, "
                   f"{case['allreduce_max_abs_diff']:.3g} allreduce path, {case['vs_allreduce_max_abs_diff']:.3g} "
                   f"between them (tolerance {args.tolerance:g}); replicas identical: {case['replicas_identical']}"
                   f" -> {'PASS' if case['ok'] else 'FAIL'}")
+            case["causes"] = [] if case["ok"] else _print_failure(case)
         first = outcome["cases"][0]
         summary = {"rank": 0, "size": outcome["size"], "framework": "torch", "sharded": True,
                    "optimizers": [c["optimizer"] for c in outcome["cases"]],
@@ -243,6 +326,6 @@ def _sharded_worker(args, outcome: dict) -> int:
                    "parameters": first["parameters"],
                    "max_abs_diff": max(c["max_abs_diff"] for c in outcome["cases"]),
                    "replicas_identical": all(c["replicas_identical"] for c in outcome["cases"]),
-                   "cases": outcome["cases"], "tolerance": args.tolerance, "ok": ok}
+                   "cases": outcome["cases"], "tolerance": args.tolerance, "ok": ok, "deterministic_layers": changed}
         print("verify: " + json.dumps(summary, sort_keys=True), flush=True)
     return 0 if ok else 1
