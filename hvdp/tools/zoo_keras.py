@@ -51,9 +51,9 @@ def _bag_of_embeddings():
 
 
 class _Branches(keras.layers.Layer):
-    """A trunk and head, an expert added only for a batch holding a sample whose first feature is above
-    THRESHOLD (about one batch of 8 in 4: in some steps some ranks use it and others not, in some none), and a
-    head no step uses (its gradient is None: one process skips it, AdamW's decay included)."""
+    """A trunk and head, an expert for the samples whose first feature is above THRESHOLD (a batch of 8 holds
+    one about one time in 4: in some steps some ranks use it and others not, in some none), and a head no step
+    uses (its gradient is None: one process skips it, AdamW's decay included)."""
 
     THRESHOLD = 1.8
 
@@ -72,8 +72,12 @@ class _Branches(keras.layers.Layer):
     def call(self, x):
         h = self.trunk(x)
         out = self.head(h)
-        # A Python branch on the torch backend (None gradients when not taken), tf.cond in a traced step.
-        return keras.ops.cond(keras.ops.max(x[:, 0]) > self.THRESHOLD, lambda: out + self.expert(h), lambda: out)
+        # Routed as a mixture-of-experts layer routes: the expert adds to the samples sent to it only, and runs
+        # only when a sample of the batch is (a Python branch on the torch backend: None gradients when not
+        # taken; tf.cond in a traced step). Each sample's output does not depend on the rest of its batch.
+        routed = x[:, :1] > self.THRESHOLD
+        return keras.ops.cond(keras.ops.any(routed), lambda: out + keras.ops.where(routed, self.expert(h), 0.0),
+                              lambda: out)
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], 4)
