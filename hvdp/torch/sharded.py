@@ -168,31 +168,35 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         params = self._params()
         for i in indices:
             p = params[i]
-            if id(p) in self._hooked:
+            if id(p) in self._hooked or not p.requires_grad:  # (a frozen one: when it is unfrozen, _join)
                 continue
             self._hooked.add(id(p))
             if late and not any(getattr(h, "__qualname__", "").startswith(_gradient_hook.__name__)
-                                for h in p._backward_hooks.values() if p._backward_hooks):
+                                for h in (p._backward_hooks or {}).values()):
                 self.hooks.append(p.register_hook(_gradient_hook(self._passes, self.hvdp_schedule)))
             self.hooks.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
     def _join(self, in_step: bool) -> bool:
         """Add the parameters of the param groups that became trainable since (requires_grad_(True)) to the
-        layout: new buckets, or new owners. `in_step`: their gradients of this step were accumulated without
-        prepare()'s weighting: applied here. No collective; every rank sees the same flags (a script that unfreezes
-        on some ranks only trains different models: the ranks' used-flags agreement cannot see it)."""
-        late = [i for i, p in enumerate(self._params()) if i not in self._members and p.requires_grad]
+        layout: new buckets, or new owners (one frozen but holding loaded state is owned already: it gets its
+        hooks). `in_step`: their gradients of this step were accumulated without prepare()'s weighting: applied
+        here. No collective; every rank sees the same flags (a script that unfreezes on some ranks only trains
+        different models: the ranks' used-flags agreement cannot see it)."""
+        params = self._params()
+        late = [i for i, p in enumerate(params) if p.requires_grad and id(p) not in self._hooked
+                and (i not in self._members or self._per_param or i in self._moved)]
         if not late:
             return False
-        params = self._params()
         if in_step:
             weight = _Batch.factor(self._passes) / self._passes
             for i in late:
                 if params[i].grad is not None and weight != 1.0:
                     params[i].grad.mul_(weight)
-        self._members |= set(late)
-        self._specs += pack(self._groups, late, self._bucket_bytes)
-        self._build(self.param_groups, keep=True)
+        new = [i for i in late if i not in self._members]
+        if new:
+            self._members |= set(new)
+            self._specs += pack(self._groups, new, self._bucket_bytes)
+            self._build(self.param_groups, keep=True)
         self._hook(late, late=True)
         return True
 
@@ -330,7 +334,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
             if i not in self._pending:
                 self._reduce(i)
         for o in self._owned:
-            if o.index not in self._pending_owned:
+            if o.index not in self._pending_owned and o.param.requires_grad:  # (frozen on every rank: no gradient)
                 self._reduce_owned(o)
         for i, b in enumerate(self._buckets):
             handle, ctx = self._pending.pop(i)
@@ -340,6 +344,9 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
                 reduced = reduced[start:start + length].clone()  # the bucket's full copy is freed
             b.shard.grad = self._compression.decompress(reduced, ctx).to(b.dtype)
         for o in self._owned:
+            if o.index not in self._pending_owned:
+                o.param.grad = None
+                continue
             handle, ctx = self._pending_owned.pop(o.index)
             reduced = hvd.synchronize(handle)
             if o.owner == self._rank:

@@ -280,6 +280,7 @@ class ShardedStateDict:
             for pos in range(len(params)):
                 order[index] = by_index[(g, pos)]
                 index += 1
+        self._join(in_step=False)  # parameters unfrozen since the last step: their state is loaded too
         self._split_divergent(order)
         self.state.clear()
         staging = []  # load_streamed's one buffer, reused bucket after bucket (a new one each time fragments the heap)
@@ -326,9 +327,12 @@ class ShardedStateDict:
     def _split_divergent(self, order: dict) -> None:
         """Move to the per-parameter layout each parameter of a flat bucket whose saved scalar state (step count)
         or lack of state differs from the rest of its bucket's (one skipped in a step where no rank used it): a
-        flat shard has one step count. The bucket keeps the state most of its parameters share. Every rank decides
-        alike from the same state; no collective."""
-        moving = set()
+        flat shard has one step count; and a frozen one that has saved state. The bucket keeps the state most of
+        its parameters share. Every rank decides alike from the same state; no collective."""
+        # a frozen parameter with saved state keeps it (torch's optimizer keeps it, and steps it once unfrozen):
+        # owned, outside the flat buckets
+        moving = {i for i, p in enumerate(self._params()) if i not in self._members and (order.get(i) or (0, None))[1]}
+        self._members |= moving
         for b in self._buckets:
             signs = [_signature(p.param, (order.get(p.index) or (None, None))[1]) for p in b.pieces]
             if len(set(signs)) > 1:

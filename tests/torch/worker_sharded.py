@@ -772,6 +772,190 @@ def per_tensor_optimizer_is_sharded_by_whole_parameters(tmp):
 
 
 
+class _Experts(nn.Module):
+    """A trunk and two experts (a mixture of experts in miniature): forward(x, used) sums the experts `used`."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(7, 4)
+        self.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x, used):
+        h = torch.tanh(self.trunk(x))
+        return sum(self.experts[e](h) for e in used)
+
+
+def _route(t: int, rank: int, size: int) -> list[int]:
+    """The experts rank `rank` uses at step t: expert 1 is used by no rank at steps 0 and 2 and by the last rank
+    only at step 1, expert 0 by no rank at step 3; both by every rank after."""
+    return {0: [0], 1: [0, 1] if rank == size - 1 else [0], 2: [0], 3: [1]}.get(t, [0, 1])
+
+
+MOE = {"adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}), "adafactor": (torch.optim.Adafactor, {"lr": 0.01})}
+
+
+def _moe(kind, steps, shard, model=None, opt=None, reference=False):
+    """Steps of _Experts with the optimizer MOE[kind]: through hvdp (this rank's batch and route), or in one
+    process (`reference`: the mean of every rank's loss, at N times the rate; an expert no rank routes to has
+    no gradient, so torch's optimizer skips it)."""
+    cls, settings = MOE[kind]
+    if model is None:
+        torch.manual_seed(0 if reference else world.rank)
+        model = _Experts()
+        if reference:
+            opt = cls(model.parameters(), **{**settings, "lr": settings["lr"] * world.size})
+        else:
+            opt = ht.prepare(model, cls(model.parameters(), **settings), shard_optimizer_state=shard)
+    for t in steps:
+        x, y = _batch(t, world.size, 1)
+        opt.zero_grad()
+        ranks = range(world.size) if reference else [world.rank]
+        loss = sum(F.mse_loss(model(x[0, r], _route(t, r, world.size)), y[0, r]) for r in ranks) / len(ranks)
+        loss.backward()
+        opt.step()
+    return model, opt
+
+
+@check
+def parameters_no_rank_used_are_skipped_as_one_process_skips_them(tmp):
+    # An expert that no rank routes to has .grad None in one process: AdamW neither decays it nor counts its step.
+    # Horovod's zeros made the sharded AdamW move it by 0.09 in 3 steps (at np=1 too). Flat layout (AdamW: the
+    # expert moves to the per-parameter layout) and per-parameter layout (Adafactor) against one process; an
+    # expert used by one rank only is averaged as before; a checkpoint after the moves resumes exactly.
+    for kind in MOE:
+        ref, _ = _moe(kind, range(6), shard=True, reference=True)
+        model, opt = _moe(kind, range(4), shard=True)
+        moved = sorted(o.index for o in opt._owned)
+        ht.save_checkpoint(tmp / f"moe-{kind}", model, opt, epoch=0, step=0, global_step=4)
+        _moe(kind, range(4, 6), shard=True, model=model, opt=opt)
+        again, again_opt = _moe(kind, range(0), shard=True)
+        ht.load_checkpoint(tmp / f"moe-{kind}", again, again_opt)
+        _moe(kind, range(4, 6), shard=True, model=again, opt=again_opt)
+        ht.check_consistency(model)
+        assert moved == ([2, 3, 4, 5] if kind == "adamw" else list(range(6))), (kind, moved)
+        _close(_flat(model), _flat(ref), f"{kind}: experts unused in some steps, sharded vs one process", 2e-6)
+        _same_rerun(_flat(again), _flat(model), f"{kind}: resumed after the unused steps, against the uninterrupted run")
+
+
+class _Tuned(nn.Module):
+    """Fine-tuning: a body, a head, and an extra layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.extra = nn.Linear(7, 5), nn.Linear(5, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.extra(self.head(torch.tanh(self.body(x))))
+
+
+TUNE = {"adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}, {"lr": 0.02, "weight_decay": 0.0}),
+        "adafactor": (torch.optim.Adafactor, {"lr": 0.01}, {"lr": 0.02})}
+
+
+def _tune(kind, steps, model=None, opt=None, reference=False):
+    """Steps of a fine-tuning run: the body in the optimizer but frozen until step 2 (unfrozen after zero_grad
+    there), the extra layer frozen and outside the optimizer until step 3, when it is unfrozen and added by
+    add_param_group (its own rate). Through hvdp, sharded, or in one process (`reference`: the union batch, every
+    rate N times)."""
+    cls, settings, added = TUNE[kind]
+    scale = world.size if reference else 1
+    if model is None:
+        torch.manual_seed(0 if reference else world.rank)
+        model = _Tuned()
+        model.body.requires_grad_(False)
+        model.extra.requires_grad_(False)
+        inner = cls([{"params": model.body.parameters()}, {"params": model.head.parameters()}],
+                    **{**settings, "lr": settings["lr"] * scale})
+        opt = inner if reference else ht.prepare(model, inner, shard_optimizer_state=True)
+    for t in steps:
+        x, y = _batch(t, world.size, 1)
+        if t == 3 and not model.extra.weight.requires_grad:
+            model.extra.requires_grad_(True)
+            opt.add_param_group({"params": model.extra.parameters(), **{**added, "lr": added["lr"] * scale}})
+        opt.zero_grad()
+        if t == 2:
+            model.body.requires_grad_(True)
+        if reference:
+            F.mse_loss(model(x[0].reshape(-1, 7)), y[0].reshape(-1, 4)).backward()
+        else:
+            F.mse_loss(model(x[0, world.rank]), y[0, world.rank]).backward()
+        opt.step()
+    return model, opt
+
+
+@check
+def unfrozen_and_added_parameters_train_as_one_process(tmp):
+    # A parameter frozen at prepare() and unfrozen later never moved on the sharded path; one added by
+    # add_param_group() trained on each rank's local gradient, and save_checkpoint then raised IndexError on rank 0
+    # only. Both must train as one process does (the new group's rate scaled like the others), and a checkpoint
+    # saved afterwards resume exactly (the resumed run unfreezes and adds the group before loading).
+    for kind in TUNE:
+        ref, _ = _tune(kind, range(6), reference=True)
+        model, opt = _tune(kind, range(5))
+        ht.save_checkpoint(tmp / f"tune-{kind}", model, opt, epoch=0, step=0, global_step=5)
+        _tune(kind, range(5, 6), model=model, opt=opt)
+        again, again_opt = _tune(kind, range(0))
+        again.requires_grad_(True)
+        again_opt.add_param_group({"params": again.extra.parameters(), **TUNE[kind][2]})
+        ht.load_checkpoint(tmp / f"tune-{kind}", again, again_opt)
+        _tune(kind, range(5, 6), model=again, opt=again_opt)
+        ht.check_consistency(model)
+        assert opt.param_groups[2]["lr"] == TUNE[kind][2]["lr"] * world.size, opt.param_groups[2]["lr"]
+        _close(_flat(model), _flat(ref), f"{kind}: unfrozen and added, sharded vs one process", 2e-6)
+        _same_rerun(_flat(again), _flat(model), f"{kind}: resumed after unfreezing, against the uninterrupted run")
+
+
+@check
+def synchronize_twice_in_a_step_reduces_once(tmp):
+    # A gradient-logging helper calls synchronize(), then the clipping recipe does: the second call reduced the
+    # freed .grad again, making the shard's gradients zeros (norm 1.47 -> 0). It must change nothing.
+    runs = []
+    for twice in (False, True):
+        torch.manual_seed(world.rank)
+        model = Net()
+        opt = ht.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01), shard_optimizer_state=True)
+        for t in range(3):
+            x, y = _batch(t, world.size, 1)
+            opt.zero_grad()
+            F.mse_loss(model(x[0, world.rank]), y[0, world.rank]).backward()
+            opt.synchronize()
+            if twice:
+                first = [b.shard.grad.clone() for b in opt._buckets]
+                opt.synchronize()
+                assert all(torch.equal(a, b.shard.grad) for a, b in zip(first, opt._buckets)), t
+            opt.clip_grad_norm_(0.05)
+            opt.step()
+        runs.append(_flat(model))
+    _same_rerun(runs[1], runs[0], "synchronize() twice per step, against once")
+
+
+@check
+def prepare_takes_the_state_rank_0_restored(tmp):
+    # Horovod's resume recipe: rank 0 restores the optimizer state, then it is broadcast. The collective was chosen
+    # from each rank's own state: the ranks ran different ones and the watchdog ended the job. Now every rank gets
+    # rank 0's state: from hvdp_torch.broadcast, and from prepare(..., shard_optimizer_state=True), which trains on.
+    import copy
+    for shard in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        inner = torch.optim.Adam(model.parameters(), lr=0.01)
+        if world.rank == 0:
+            F.mse_loss(model(torch.randn(3, 7)), torch.randn(3, 4)).backward()
+            inner.step()
+            inner.zero_grad()
+        saved = hvd.broadcast_object(copy.deepcopy(inner.state_dict()) if world.rank == 0 else None, root_rank=0,
+                                     name=f"zero.restored.{shard}")
+        if not shard:
+            ht.broadcast(model, inner)
+            _bit_identical_state(inner.state_dict(), saved)
+            continue
+        opt = ht.prepare(model, inner, shard_optimizer_state=True)
+        state = opt.gathered_state_dict(0)
+        _hvdp("adamw_resume", range(1), shard=True, model=model, opt=opt)
+        ht.check_consistency(model)
+        if state is not None:
+            _bit_identical_state(state, saved)
+
 RESUME = "adamw_resume"  # no clipping: the sharded and the allreduce continuations are bit-identical up to 2 ranks
 
 
