@@ -242,6 +242,8 @@ def _data_identity(dataset, check_items: bool = True) -> dict:
     return found
 
 
+READING_ITEMS = "reading a few of its dataset's items, to compare the data across the ranks (shard(), evaluate())"
+
 # Attributes that hold a data set's file list (torchvision's DatasetFolder/ImageFolder: samples, imgs).
 _FILE_LISTS = ("samples", "imgs", "files", "paths", "file_list")
 
@@ -307,6 +309,7 @@ def _items_fingerprint(dataset, n: int) -> str:
             parts.append(type(item).__qualname__.encode())
 
     kept = random.getstate(), np.random.get_state()
+    before = _horovod.enter(READING_ITEMS)  # a read that hangs on one rank is named where it hangs
     try:
         with torch.random.fork_rng(devices=[]):
             for i in sample_positions(n):
@@ -315,6 +318,7 @@ def _items_fingerprint(dataset, n: int) -> str:
                 random.seed(i)
                 add(dataset[i])
     finally:
+        _horovod.leave(before)
         random.setstate(kept[0])
         np.random.set_state(kept[1])
     return fingerprint_of(parts)

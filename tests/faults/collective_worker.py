@@ -22,7 +22,7 @@ import hvdp.torch as ht  # noqa: E402
 
 
 class Stalling(torch.utils.data.Dataset):
-    """Sample i is i; on a stalling rank every sample takes an hour."""
+    """Sample i is i; on a stalling rank every sample a loader worker reads takes an hour."""
 
     def __init__(self, stall: bool):
         self.stall = stall
@@ -31,8 +31,8 @@ class Stalling(torch.utils.data.Dataset):
         return 32
 
     def __getitem__(self, i):
-        if self.stall:
-            time.sleep(3600)
+        if self.stall and torch.utils.data.get_worker_info() is not None:  # in the loader's workers (shard()
+            time.sleep(3600)                                                # reads a few items itself first)
         return torch.tensor([i])
 
 

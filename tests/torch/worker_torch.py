@@ -1084,7 +1084,7 @@ def a_later_init_is_not_a_collective(tmp):
 # ------------------------------------------------ worker processes and the watchdog's knowledge (issue 36)
 
 class _Pids(torch.utils.data.Dataset):
-    """Sample i is (i, the pid of the process that read it)."""
+    """Sample i is (i, the pid of the process that read it): shard(check_items=False), its items differ by rank."""
 
     def __len__(self):
         return 16
@@ -1116,18 +1116,18 @@ def _pids(loader):
 def shard_workers_start_by_forkserver_once_per_run(tmp):
     """issue 36: workers started by forkserver (fork in a threaded rank can deadlock), kept from one epoch to
     the next for a map-style dataset; a stream's and persistent_workers=False restart each epoch."""
-    kept = ht.shard(_Pids(), batch_size=2, num_workers=2)
+    kept = ht.shard(_Pids(), check_items=False, batch_size=2, num_workers=2)
     assert kept.multiprocessing_context.get_start_method() == "forkserver" and kept.persistent_workers
     first, second = _pids(kept), _pids(kept)
     assert len(first) == 2 and first == second and os.getpid() not in first, (first, second)
-    fresh = ht.shard(_Pids(), batch_size=2, num_workers=2, persistent_workers=False)
+    fresh = ht.shard(_Pids(), check_items=False, batch_size=2, num_workers=2, persistent_workers=False)
     assert not fresh.persistent_workers and _pids(fresh).isdisjoint(_pids(fresh))
     stream = ht.shard(_Numbers(16), batch_size=2, num_workers=2)
     assert stream.multiprocessing_context.get_start_method() == "forkserver" and not stream.persistent_workers
     # the user's own choice of start method is kept; num_workers=0 starts nothing
-    spawned = ht.shard(_Pids(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    spawned = ht.shard(_Pids(), check_items=False, batch_size=2, num_workers=1, multiprocessing_context="spawn")
     assert spawned.multiprocessing_context.get_start_method() == "spawn"
-    assert ht.shard(_Pids(), batch_size=2).multiprocessing_context is None
+    assert ht.shard(_Pids(), check_items=False, batch_size=2).multiprocessing_context is None
 
 
 def _lambda_collate(batch):
@@ -1149,10 +1149,10 @@ def shard_says_which_object_the_workers_cannot_receive(tmp):
     locked.lock = threading.Lock()  # a lock (an open file, a connection) made in this process
     cases = [
         (lambda: ht.shard(Local(), batch_size=2, num_workers=2), ["dataset", "Local", "local object"]),
-        (lambda: ht.shard(locked, batch_size=2, num_workers=2), ["dataset", "_Pids", "_thread.lock"]),
-        (lambda: ht.shard(_Pids(), batch_size=2, num_workers=2, collate_fn=lambda b: b),
+        (lambda: ht.shard(locked, check_items=False, batch_size=2, num_workers=2), ["dataset", "_Pids", "_thread.lock"]),
+        (lambda: ht.shard(_Pids(), check_items=False, batch_size=2, num_workers=2, collate_fn=lambda b: b),
          ["collate_fn", "<lambda>"]),
-        (lambda: ht.shard(_Pids(), batch_size=2, num_workers=2, worker_init_fn=lambda i: None),
+        (lambda: ht.shard(_Pids(), check_items=False, batch_size=2, num_workers=2, worker_init_fn=lambda i: None),
          ["worker_init_fn", "<lambda>"]),
         (lambda: ht.shard(_Numbers(16), batch_size=2, num_workers=2, transform=lambda t: t),
          ["transform", "<lambda>"]),
@@ -1163,18 +1163,22 @@ def shard_says_which_object_the_workers_cannot_receive(tmp):
         assert str(e).startswith(f"[rank {world.rank}] shard(num_workers=2): "), str(e)
     # the same objects are fine without workers, and a module-level function is fine with them
     ht.shard(Local(), batch_size=2)
-    ht.shard(_Pids(), batch_size=2, num_workers=2, collate_fn=_lambda_collate)
+    ht.shard(_Pids(), check_items=False, batch_size=2, num_workers=2, collate_fn=_lambda_collate)
 
 
 @check
 def loader_tells_the_watchdog_it_waits_for_a_batch(tmp):
     from hvdp import _horovod
+    from hvdp.torch.data import READING_ITEMS
     from hvdp.torch.workers import LOADING
     data = _Phases()
-    batches = list(ht.shard(data, batch_size=2, shuffle=False))
+    loader = ht.shard(data, batch_size=2, shuffle=False)
+    compared, data.seen = data.seen, []  # shard() read a few items itself, to compare them across the ranks
+    batches = list(loader)
     assert len(batches) == -(-8 // (2 * world.size))
     if _horovod._watchdog is None:  # a world of 1: no watchdog to tell
         return
+    assert compared and set(compared) == {READING_ITEMS}, compared
     assert data.seen and set(data.seen) == {LOADING}, data.seen
     assert _horovod._watchdog.phase != LOADING  # restored once the batch is handed out
 
@@ -1251,7 +1255,7 @@ def users_own_fork_dataloader_warns_once_naming_the_fix(tmp):
     _workers._fork_warned = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _pids(ht.shard(_Pids(), batch_size=2, num_workers=2, persistent_workers=False))
+        _pids(ht.shard(_Pids(), check_items=False, batch_size=2, num_workers=2, persistent_workers=False))
     assert not [w for w in caught if "forks this rank's process" in str(w.message)]
 
 
@@ -1538,6 +1542,23 @@ def custom_datasets_and_evaluation_data_checked_across_ranks(tmp):
         assert "fingerprint" in str(e) and "rank 1" in str(e), e
         expect(ConfigError, lambda: ht.evaluate(model, unseeded), "torch.manual_seed(0)")
     assert ht.evaluate(model, seeded)["samples"] == 64 and exact["samples"] == 40
+
+
+@check
+def evaluate_scores_a_binary_classifier(tmp):
+    # issue 44: a binary classifier's one logit per sample went through cross_entropy (0 over one class) and
+    # argmax(1) (always 0): loss 0 and the accuracy of predicting class 0, silently
+    torch.manual_seed(0)
+    x = torch.randn(50, 6)
+    y = (x[:, 0] > 0).long()
+    model = torch.nn.Linear(6, 1)
+    out = model(x).detach()
+    got = ht.evaluate(model, torch.utils.data.TensorDataset(x, y))
+    loss = float(F.binary_cross_entropy_with_logits(out[:, 0], y.float()))
+    accuracy = float(((out[:, 0] > 0).long() == y).float().mean())
+    assert abs(got["loss"] - loss) < 1e-6 and abs(got["accuracy"] - accuracy) < 1e-6, (got, loss, accuracy)
+    flat = ht.evaluate(torch.nn.Sequential(model, torch.nn.Flatten(0)), torch.utils.data.TensorDataset(x, y))
+    assert abs(flat["loss"] - loss) < 1e-6 and flat["accuracy"] == got["accuracy"], flat
 
 
 @check
