@@ -258,5 +258,30 @@ def collectives_called_by_hand_go_through_horovod_torch(tmp):
     assert hvd.is_initialized() and not hvd_tf.is_initialized(), "horovod.tensorflow was initialised"
 
 
+@check
+def zoo_cases_equal_one_process_and_unused_variables_are_skipped(tmp):
+    # hvdp verify --zoo's Keras cases on this backend (hvdp/tools/zoo_keras.py; the TF custom loop needs
+    # TensorFlow's Horovod). fit runs eagerly here: unused_branch's expert has a gradient on the ranks whose batch
+    # took its branch and None on the others (before issue 44 the ranks' all-reduces then differed: an error
+    # or a stall), and its unused head has none on any rank (AdamW must not decay it, as one process does not).
+    from hvdp.tools import zoo_keras
+
+    diffs = {name: zoo_keras.CASES[name](steps=3) for name in ("text_cnn", "unused_branch")}
+    print(f"[rank {world.rank}] zoo_keras {diffs}", file=sys.stderr, flush=True)
+    assert max(diffs.values()) <= 1e-5, diffs
+
+
+@check
+def evaluate_refuses_a_test_set_ordered_differently_per_rank(tmp):
+    keras.utils.set_random_seed(SEED)
+    model = _build()
+    x, y = _data()
+    hk.evaluate(model, (x, y))  # the same everywhere: accepted
+    if world.size > 1:
+        order = np.random.default_rng(world.rank).permutation(len(x))  # an unseeded shuffle: another order per rank
+        msg = _raises(ConfigError, hk.evaluate, model, (x[order], y[order]))
+        assert "evaluate() with different data" in msg and "on rank 1" in msg, msg
+
+
 if __name__ == "__main__":
     main(lambda obj: hvd.allgather_object(obj, name="checks"), world.rank)
