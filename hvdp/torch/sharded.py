@@ -208,6 +208,9 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
 
         Args:
             param_group: {"params": ..., settings}, as torch.optim.Optimizer.add_param_group takes it.
+
+        Raises:
+            ConfigError: some of its parameters are in the optimizer already (on every rank).
         """
         if not self._ready:
             return torch.optim.Optimizer.add_param_group(self, param_group)
@@ -217,6 +220,10 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         names = group.pop("param_names", None)
         # torch's defaults and checks (duplicates across groups included), on a stand-in group of the real
         # parameters: then the group holds this rank's shards instead
+        present = {id(p) for p in self._params()}
+        if any(id(p) in present for p in params):
+            raise ConfigError("add_param_group(): some of its parameters are in the optimizer already (torch refuses "
+                              "a parameter in two groups); add only the new ones", rank=self._rank)
         probe = {**group, "params": params}
         torch.optim.Optimizer.add_param_group(self._inner, probe)
         self.param_groups.pop()  # (the same list as the wrapped optimizer's)

@@ -344,7 +344,7 @@ class _Scalar(nn.Module):
         return x[:, :4] * self.w
 
 
-def _amp(make, shard):
+def _amp(make, shard, cls=torch.optim.Adam):
     """docs/pytorch.md's AMP recipe (fp16 autocast, GradScaler, unscale after the reduction) for AMP_STEPS steps;
     at each step of BAD the last rank's gradient of the first parameter's first element is that value (inf,
     NaN, -inf), before the reduction: the averaged gradient's one lands in rank 0's shard only. Returns (model, per step: every rank's
@@ -352,7 +352,7 @@ def _amp(make, shard):
     torch.manual_seed(world.rank)
     model = make()
     first = next(model.parameters())
-    opt = ht.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01), shard_optimizer_state=shard)
+    opt = ht.prepare(model, cls(model.parameters(), lr=0.01), shard_optimizer_state=shard)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
     step = [0]
 
@@ -394,17 +394,20 @@ def _amp(make, shard):
 def amp_overflow_in_one_shard_skips_on_every_rank(tmp):
     # An inf, a NaN, a -inf in one rank's shard of the averaged gradients only: every rank's GradScaler must see it, skip
     # that step and back off its scale alike; the replicas stay bit-identical, and the run is the allreduce
-    # path's (whose every rank sees the inf). _Scalar: the ranks without a single element must skip too.
-    for make in (Net, _Scalar):
-        plain, plain_found, plain_moved, plain_scales = _amp(make, shard=False)
-        model, found, moved, scales = _amp(make, shard=True)
-        expected = [float(t in BAD) for t in range(AMP_STEPS)]
-        assert found == plain_found == expected, (make.__name__, found, plain_found)
-        assert moved == plain_moved == [t not in BAD for t in range(AMP_STEPS)], (make.__name__, moved)
-        everyone = hvd.allgather_object(scales, name=f"amp.scales.{make.__name__}")
-        assert all(s == scales for s in everyone), (make.__name__, everyone)
-        assert scales == plain_scales and all(scales[t] < scales[t - 1] for t in BAD), (make.__name__, scales)
-        _same_as_allreduce(_flat(model), _flat(plain), f"{make.__name__}: AMP sharded vs the allreduce path")
+    # path's (whose every rank sees the inf). _Scalar: the ranks without a single element must skip too. Adam (flat
+    # buckets) and Adafactor (per parameter: with _Scalar, every rank but rank 0 owns nothing).
+    for cls in (torch.optim.Adam, torch.optim.Adafactor):
+        for make in (Net, _Scalar):
+            what = f"{cls.__name__}, {make.__name__}"
+            plain, plain_found, plain_moved, plain_scales = _amp(make, shard=False, cls=cls)
+            model, found, moved, scales = _amp(make, shard=True, cls=cls)
+            expected = [float(t in BAD) for t in range(AMP_STEPS)]
+            assert found == plain_found == expected, (what, found, plain_found)
+            assert moved == plain_moved == [t not in BAD for t in range(AMP_STEPS)], (what, moved)
+            everyone = hvd.allgather_object(scales, name=f"amp.scales.{what}")
+            assert all(s == scales for s in everyone), (what, everyone)
+            assert scales == plain_scales and all(scales[t] < scales[t - 1] for t in BAD), (what, scales)
+            _same_as_allreduce(_flat(model), _flat(plain), f"{what}: AMP sharded vs the allreduce path")
 
 
 def _offset(model, param):
@@ -903,6 +906,35 @@ def unfrozen_and_added_parameters_train_as_one_process(tmp):
         assert opt.param_groups[2]["lr"] == TUNE[kind][2]["lr"] * world.size, opt.param_groups[2]["lr"]
         _close(_flat(model), _flat(ref), f"{kind}: unfrozen and added, sharded vs one process", 2e-6)
         _same_rerun(_flat(again), _flat(model), f"{kind}: resumed after unfreezing, against the uninterrupted run")
+
+
+@check
+def elastic_reshard_keeps_owned_state_and_the_layout(tmp):
+    """sharded_elastic with the per-parameter layout (Adafactor: every parameter owned) and with both layouts
+    (AdamW whose unused experts moved out of their bucket): the last rank "joins" with no commit and with
+    prepare()'s layout (nothing moved); after the reset every rank has rank 0's layout, the state rebuilt is the
+    state before, bit for bit, and the run goes on as the one never re-sharded."""
+    from hvdp.torch import sharded_elastic
+    for kind in MOE:
+        model, opt = _moe(kind, range(4), shard=True)
+        twin, twin_opt = _moe(kind, range(4), shard=True)
+        before = opt.gathered_state_dict(0)
+        committed = sharded_elastic.commit_copies(opt)
+        joined = world.rank == world.size - 1
+        if joined:  # a worker started anew: prepare()'s layout
+            opt.relayout(world.size, world.rank, (opt.layout()[0], [], opt.layout()[2]))
+        sharded_elastic.reshard(opt, None if joined else committed)
+        layouts = hvd.allgather_object(opt.layout(), name=f"zero.elastic.owned.{kind}")
+        after = opt.gathered_state_dict(0)
+        _moe(kind, range(4, 6), shard=True, model=model, opt=opt)
+        _moe(kind, range(4, 6), shard=True, model=twin, opt=twin_opt)
+        assert all(layout == layouts[0] for layout in layouts), (kind, layouts)
+        if world.rank == 0:
+            assert sorted(after["state"]) == sorted(before["state"]) == list(range(6)), (kind, sorted(after["state"]))
+            for i, entry in before["state"].items():
+                assert sorted(entry) == sorted(after["state"][i]), (kind, i)
+                assert all(torch.equal(v, after["state"][i][k]) for k, v in entry.items()), (kind, i)
+        _same_rerun(_flat(model), _flat(twin), f"{kind}: re-sharded, against never re-sharded")
 
 
 @check
