@@ -355,5 +355,30 @@ def eval_means(sums: dict[str, float], count: float, rank: int) -> dict[str, flo
     return {**{name: float(total / count) for name, total in sums.items()}, "samples": int(count)}
 
 
-__all__ = ["epoch_order", "rank_bounds", "real_count", "exact_weight", "ShardPlan", "StreamSplit", "eval_bounds",
+def keepers(hosts: list[str]) -> list[int]:
+    """keepers(hosts)[r]: the rank that keeps a copy of rank r's slice of the sharded optimizer state at an
+    elastic commit, for ranks on `hosts` (one host name per rank, the same list on every rank).
+
+    The ranks are listed host by host (hosts in order of their first rank, each host's ranks in rank order)
+    and each rank's keeper is the one m places further round that list, m being the largest host's rank
+    count: a permutation, so every rank keeps exactly one slice besides its own (2/N of the state), and when
+    no host holds more than half the ranks, every keeper is on another host (a host's ranks are m or fewer
+    consecutive places, and the list is at least 2m long): any single host lost, every slice it held is kept
+    elsewhere. With 2 hosts x 8 ranks, a rank's keeper is the same local rank on the other host. With every
+    rank on one host, the keeper is the next rank. A host with more than half the ranks cannot have all its
+    slices kept elsewhere at 2/N: its ranks past the others' count keep each other's.
+    """
+    size = len(hosts)
+    if size < 2:
+        return list(range(size))
+    order = sorted(range(size), key=lambda r: (hosts.index(hosts[r]), r))
+    largest = max(hosts.count(h) for h in set(hosts))
+    shift = largest if largest < size else 1
+    out = [0] * size
+    for place, r in enumerate(order):
+        out[r] = order[(place + shift) % size]
+    return out
+
+
+__all__ = ["keepers", "epoch_order", "rank_bounds", "real_count", "exact_weight", "ShardPlan", "StreamSplit", "eval_bounds",
            "eval_means"]

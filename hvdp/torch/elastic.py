@@ -81,23 +81,27 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         """The epoch training is in (or starts next): the loop condition of an elastic training function."""
         return self.sampler.position()[0]
 
-    def _take(self, collective: bool = True) -> dict:
+    def _take(self, collective: bool = True, previous: dict | None = None) -> dict:
+        """A snapshot; with `previous` (the last one), its tensors are overwritten in place where they fit, so
+        that a commit holds one snapshot at a time, not two while the new one is built. The sharded commit's
+        collectives run first: if one fails, `previous` is still whole."""
         s = self.optimizer.hvdp_schedule
+        previous = previous or {}
         if not self._sharded:
-            optimizer = copy.deepcopy(self.optimizer.state_dict())
+            optimizer = _copied_into(previous.get("optimizer"), self.optimizer.state_dict())
         elif collective:  # its slices and copies of its keepers' (every rank, at the same commit)
             self._serial += 1
             optimizer = sharded_elastic.commit_copies(self.optimizer, self._serial)
         else:
             optimizer = None  # none yet
-        return {"model": copy.deepcopy(self.model.state_dict()), "optimizer": optimizer,
+        return {"model": _copied_into(previous.get("model"), self.model.state_dict()), "optimizer": optimizer,
                 "groups": _hyperparameters(self.optimizer) if self._sharded else None,  # (else in its state_dict)
                 "schedule": (s.step, s.size),
                 "position": self.sampler.position()}
 
     def save(self) -> None:
         """Snapshot model, optimizer, schedule and data position in memory (state.commit() calls it)."""
-        self._snapshot = self._take()
+        self._snapshot = self._take(previous=self._snapshot)
         super().save()
 
     def restore(self) -> None:
@@ -193,3 +197,24 @@ def elastic_run(train: Callable) -> Callable:
         The wrapped function (Horovod's hvd.elastic.run).
     """
     return hvd.elastic.run(_horovod.elastic_body(train))
+
+
+def _copied_into(kept, live):
+    """A copy of `live` (a state_dict: tensors in dicts and lists), written into `kept`'s tensors where the
+    same key holds a tensor of the same shape, dtype and device (no new memory), freshly allocated elsewhere."""
+    if torch.is_tensor(live):
+        if (torch.is_tensor(kept) and kept.shape == live.shape and kept.dtype == live.dtype
+                and kept.device == live.device and kept is not live):
+            with torch.no_grad():
+                return kept.copy_(live)
+        return live.detach().clone()
+    if isinstance(live, dict):
+        kept = kept if isinstance(kept, dict) else {}
+        out = type(live)((k, _copied_into(kept.get(k), v)) for k, v in live.items())
+        if hasattr(live, "_metadata"):  # a module's state_dict: the versions load_state_dict reads
+            out._metadata = copy.deepcopy(live._metadata)
+        return out
+    if isinstance(live, (list, tuple)):
+        kept = kept if isinstance(kept, (list, tuple)) and len(kept) == len(live) else [None] * len(live)
+        return type(live)(_copied_into(k, v) for k, v in zip(kept, live))
+    return copy.deepcopy(live)

@@ -1,10 +1,10 @@
 """Elastic training with sharded optimizer state: what a commit keeps, and the re-sharding after a reset.
 
 A rank holds only its slice of the optimizer state, so a lost worker takes its slice with it. A commit
-therefore keeps, besides this rank's own slice, a copy of the slices of the ranks it is the keeper of: each
-rank's keeper is the first rank after it (counting round) on another host, or the next rank when every rank
-is on one host. A host that is lost or removed leaves every slice it held with a keeper elsewhere; the
-commit holds 2/N of the state where the unsharded ElasticState holds all of it. After a reset, every rank of
+therefore keeps, besides this rank's own slice, a copy of the slice of the one rank it is the keeper of
+(hvdp.core.sharding.keepers: on another host whenever no host holds more than half the ranks; the next rank
+when every rank is on one host). A host that is lost or removed leaves every slice it held with a keeper
+elsewhere; the commit holds 2/N of the state where the unsharded ElasticState holds all of it. After a reset, every rank of
 the new world (survivors and newly started workers) calls reshard(): the buckets are laid out for the new
 world, and each bucket's state is rebuilt from the committed slices, one bucket and key at a time, each slice
 broadcast by the survivor that holds it, every rank keeping its new slice.
@@ -22,20 +22,10 @@ import socket
 import torch
 
 from hvdp.core.errors import CheckpointError
+from hvdp.core.sharding import keepers
 from hvdp.torch.runtime import hvd
 from hvdp.torch.sharded import ShardedOptimizer, split
 from hvdp.torch.sharded_state import is_per_element
-
-
-def keepers(hosts: list[str]) -> list[int]:
-    """keepers(hosts)[r]: the rank that keeps a copy of rank r's slice, for ranks on `hosts` (one host name per
-    rank): the first rank after r, counting round, on another host; with every rank on one host, r + 1."""
-    size = len(hosts)
-    out = []
-    for r in range(size):
-        after = [(r + d) % size for d in range(1, size)]
-        out.append(next((k for k in after if hosts[k] != hosts[r]), after[0] if after else r))
-    return out
 
 
 def _described(opt: ShardedOptimizer) -> list[dict]:
@@ -167,10 +157,12 @@ def reshard(opt: ShardedOptimizer, committed: dict | None) -> None:
     """
     summary = None if committed is None else (committed["size"], committed["serial"], sorted(committed["slices"]),
                                               committed["buckets"], committed["layout"])
-    every = hvd.allgather_object(summary, name="hvdp.zero.reshard") if hvd.size() > 1 else [summary]
-    if all(s is None for s in every):
-        opt.relayout(hvd.size(), hvd.rank())
+    every = hvd.allgather_object((summary, opt.layout()), name="hvdp.zero.reshard") if hvd.size() > 1 else \
+        [(summary, opt.layout())]
+    if all(s is None for s, _ in every):
+        opt.relayout(hvd.size(), hvd.rank(), every[0][1])  # rank 0's layout (a joined worker has prepare()'s)
         return  # nothing committed yet: the fresh state, as after prepare()
+    every = [s for s, _ in every]
     old, holder = sources([s[:3] if s is not None else None for s in every], hvd.rank())
     buckets = every[holder[0]][3]  # the description of the rebuilt commit's buckets
     opt.relayout(hvd.size(), hvd.rank(), every[holder[0]][4])  # and its layout (a joined worker has prepare()'s)

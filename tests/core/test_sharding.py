@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from hvdp.core.errors import ConfigError
-from hvdp.core.sharding import ShardPlan, StreamSplit, epoch_order, eval_bounds, eval_means, exact_weight, real_count
+from hvdp.core.sharding import (ShardPlan, StreamSplit, epoch_order, eval_bounds, eval_means, exact_weight, keepers,
+                                real_count)
 
 
 def plans(n, b, size, **kw):
@@ -229,3 +230,49 @@ def test_eval_means_are_the_means_of_the_summed_slices_and_refuse_an_empty_set()
         {"loss": sum(losses) / 7, "accuracy": 5 / 7, "samples": 7}
     with pytest.raises(ConfigError, match=r"rank 2.*empty dataset: nothing to score"):
         eval_means({"loss": 0.0}, 0.0, rank=2)
+
+
+# ------------------------------------------------------------------ elastic keepers (issue 45 item 3)
+
+def _hosts(*counts, interleaved=False):
+    """Host names per rank: counts[h] ranks on host h, listed host by host (or round-robin, as a launcher
+    that spreads ranks may number them)."""
+    if not interleaved:
+        return [f"h{h}" for h, c in enumerate(counts) for _ in range(c)]
+    out, left = [], list(counts)
+    while any(left):
+        for h, c in enumerate(left):
+            if c:
+                out.append(f"h{h}")
+                left[h] -= 1
+    return out
+
+
+LAYOUTS = {"1x1": _hosts(1), "1x2": _hosts(2), "1x8": _hosts(8), "2x1": _hosts(1, 1), "2x8": _hosts(8, 8),
+           "4x8": _hosts(8, 8, 8, 8), "3x4 interleaved": _hosts(4, 4, 4, interleaved=True),
+           "uneven 3+2+1": _hosts(3, 2, 1), "uneven 5+3 interleaved": _hosts(5, 3, interleaved=True),
+           "uneven 4+4+2+1+1": _hosts(4, 4, 2, 1, 1), "big host 5+1+1": _hosts(5, 1, 1)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_keepers_hold_two_slices_each_and_survive_any_host(layout):
+    hosts = LAYOUTS[layout]
+    size = len(hosts)
+    kept = keepers(hosts)
+    held = [1 + sum(1 for r in range(size) if kept[r] == k and kept[r] != r) for k in range(size)]
+    assert sorted(kept) == list(range(size)), kept            # a permutation: each rank keeps exactly one other
+    assert max(held) <= min(2, size), (kept, held)            # own slice + one: 2/N of the state (1/1 alone)
+    assert all(kept[r] != r for r in range(size)) or size == 1, kept
+    for lost in set(hosts):  # a single host lost: every slice it held is kept elsewhere
+        survivors = {r for r in range(size) if hosts[r] != lost}
+        orphans = [r for r in range(size) if r not in survivors and kept[r] not in survivors]
+        if 2 * hosts.count(lost) <= size:
+            assert not orphans, (layout, lost, kept)
+        else:  # a host of more than half the ranks (or the only one): at most its excess over the others
+            assert len(orphans) <= 2 * hosts.count(lost) - size, (layout, lost, orphans)
+
+
+def test_keepers_on_two_hosts_of_eight_are_the_same_local_rank_on_the_other_host():
+    # issue 45: every rank of host h kept its copy on the first rank of host h+1: ranks 0 and 8 held 9/16
+    assert keepers(_hosts(8, 8)) == [r + 8 for r in range(8)] + list(range(8))
+    assert keepers(_hosts(8)) == list(range(1, 8)) + [0]

@@ -57,17 +57,6 @@ def test_sharded_check(base, name):
     assert_passed(_launch(launch, base), check)
 
 
-def test_each_slice_is_kept_on_another_host_where_there_is_one():
-    """sharded_elastic.keepers: a rank's slice is copied at each elastic commit to the first rank after it on
-    another host, so that losing a whole host loses no slice; on one host, to the next rank."""
-    from hvdp.torch.sharded_elastic import keepers
-    assert keepers(["a", "a", "b", "b"]) == [2, 2, 0, 0]
-    assert keepers(["a", "b", "b", "b"]) == [1, 0, 0, 0]
-    assert keepers(["a", "b", "a", "b"]) == [1, 2, 3, 0]
-    assert keepers(["a", "a", "a"]) == [1, 2, 0]
-    assert keepers(["a"]) == [0]
-
-
 def test_the_state_is_rebuilt_from_rank_0s_commit_only():
     """sharded_elastic.sources: who sends each former rank's slice after a reset, from each new rank's (former
     world size, commit serial, slices it holds). A worker lost mid-commit can leave one survivor a commit ahead

@@ -736,6 +736,38 @@ def average_and_nonfinite(tmp):
 # -------------------------------------------------------------------------------------------- elastic
 
 @check
+def elastic_commit_overwrites_its_snapshot_in_place(tmp):
+    # issue 45: save() built the new snapshot beside the old one (two copies of model and optimizer state in
+    # memory at each commit); now written into the last one's tensors
+    model, opt, loader = _fresh(seed=0)
+    state = ht.ElasticState(model, opt, loader)
+    batches = iter(loader)
+
+    def step():
+        x, y = next(batches)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    step()
+    state.commit()
+
+    def pointers():
+        snap = state._snapshot
+        return ([v.data_ptr() for v in snap["model"].values()] +
+                [v.data_ptr() for st in snap["optimizer"]["state"].values() for v in st.values() if torch.is_tensor(v)])
+
+    held, before = pointers(), copy.deepcopy(state._snapshot)
+    step()
+    state.commit()
+    assert pointers() == held and len(held) > len(before["model"])  # model and optimizer state, in place
+    live = model.state_dict()
+    assert all(torch.equal(state._snapshot["model"][k], v) for k, v in live.items())
+    assert any(not torch.equal(before["model"][k], v) for k, v in live.items())  # the step was copied in
+    assert all(v.data_ptr() != live[k].data_ptr() for k, v in state._snapshot["model"].items())  # a copy, not the live one
+
+
+@check
 def elastic_state_commit_restore_sync(tmp):
     """restore() rolls model, optimizer, warmup step and data position back to the last commit; the next
     iteration resumes at the committed offset; sync() keeps replicas identical (the resize itself is
@@ -765,6 +797,7 @@ def elastic_state_commit_restore_sync(tmp):
     state.commit()
     committed = copy.deepcopy(model.state_dict())
     assert state.epoch == 0 and loader.batch_sampler.position() == (0, 2 * plan.global_batch)
+
     steps(3)
     state.best = 0.9
     state.history.append("step 5")  # rolled back with the steps it records, or they would count twice
