@@ -116,7 +116,8 @@ def allreduce_gradients(grads: list, *, compression: str = "none", variables: li
                           rank=hvd.rank())
     values = [v.value for v in variables] if variables is not None else grads
     slots = [torch.zeros_like(values[i]) if g is None else g.contiguous() for i, g in enumerate(grads)]
-    flags = torch.tensor([float(g is not None) for g in grads], dtype=torch.float32, device=slots[0].device)
+    flags = torch.tensor([float(g is not None) for g in grads], device=slots[0].device,
+                         dtype=slots[0].dtype if slots[0].is_floating_point() else torch.float32)
     wire = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[compression]
     # The same explicit name as on TensorFlow: never derived from Keras's per-process layer counters.
     reduced = hvd.grouped_allreduce(slots + [flags], op=hvd.Average, compression=wire, name="hvdp_gradients")

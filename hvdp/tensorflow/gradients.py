@@ -100,8 +100,9 @@ def _allreduce_eager(grads: list, compression: str, variables: list | None) -> l
                           "of their shapes", rank=hvd.rank())
     slots = [tf.zeros(tuple(v.shape), tf.as_dtype(v.dtype)) if g is None or s else g
              for g, s, v in zip(grads, sparse_here, variables or [None] * len(grads))]
+    floating = [t.dtype for t in slots if t.dtype.is_floating]
     flags = tf.constant([[float(g is not None and not s), float(s)] for g, s in zip(grads, sparse_here)],
-                        tf.float32)
+                        floating[0] if floating else tf.float32)  # in the gradients' own dtype
     reduced = hvd.grouped_allreduce(slots + [tf.reshape(flags, [-1])], op=hvd.Average,
                                     compression=_COMPRESSIONS[compression], name="hvdp_gradients")
     used = tf.reshape(reduced[-1], [-1, 2]).numpy() > 0  # the same on every rank
@@ -140,11 +141,16 @@ class DistributedGradientTape:
         ConfigError: `compression` is not "none" or "fp16".
     """
 
+    # Plain Python inside a tf.function (no tensor-dependent control flow here): autograph's conversion of the
+    # constructor failed in a traced step ("tf____init__() takes from 1 to 2 positional arguments but 3 were
+    # given") after other tf.functions of the process had converted code.
+    @tf.autograph.experimental.do_not_convert
     def __init__(self, tape: tf.GradientTape, *, compression: str = "none"):
         _check_compression(compression)
         self._tape = tape
         self._compression = compression
 
+    @tf.autograph.experimental.do_not_convert
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         """tf.GradientTape.gradient, then the gradients averaged over all ranks (allreduce_gradients).
 

@@ -3,6 +3,8 @@ ScaledSchedule and scale_learning_rate."""
 
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 import keras
 
@@ -262,6 +264,15 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if k == 1:
             reduce_then_apply(grads)
             return
+        if any(isinstance(g, tf.IndexedSlices) for g in grads) and not getattr(self, "_warned_sparse", False):
+            self._warned_sparse = True  # once, when the step is traced (every pass when run eagerly)
+            if _keras_backend.ensure_init().rank == 0:
+                warnings.warn(
+                    "DistributedOptimizer(backward_passes_per_step>1) sums a sparse gradient (an Embedding's "
+                    "tf.IndexedSlices) into a dense accumulator: Adam, RMSprop and Adagrad then see each repeated "
+                    "row once, not once per occurrence as one process with the k-times larger batch does, so "
+                    "they take a slightly different step (SGD the same); with backward_passes_per_step=1 the "
+                    "slices are gathered and the step is one process's", stacklevel=2)
         index = [self._get_variable_index(v) for v in variables]
         accs = [self._accumulators[i] for i in index]
         # Which variables had a gradient in a pass since the last step: fixed by the trace inside a tf.function
