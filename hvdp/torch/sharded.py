@@ -95,6 +95,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         self._stand_in = None  # a 0-element parameter for GradScaler on a rank that steps nothing (_stand_in_grad)
         self._passes, self._counts, self._pending, self._pending_owned = schedule.passes, {}, {}, {}
         self._used: set[int] = set()  # the parameters that got a gradient on this rank in this step
+        self._skipped: set[int] = set()  # those that got one on no rank (agreed in synchronize())
         self.hooks, self._hooked = [], set()
         self._build(optimizer.param_groups, keep=False)
         optimizer.state.clear()
@@ -401,6 +402,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
             flags = hvd.allreduce(flags, op=hvd.Sum, name="hvdp.zero.nonfinite")
         found = bool(flags[0] > 0)
         unused = {i for i, f in zip(members, flags[1:].tolist()) if f == 0}
+        self._skipped = unused  # not stepped: nothing to broadcast after the step
         for o in self._owned:
             if o.index in unused:
                 o.param.grad = None
@@ -592,7 +594,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         buckets) were no faster there (26.2-27.1 samples/s against 26.3-29.0 one at a time)."""
         with torch.no_grad():
             owned = [hvd.broadcast_async_(o.param.data, root_rank=o.owner, name=f"hvdp.zero.own.param.{o.index}")
-                     for o in self._owned] if self._size > 1 else []
+                     for o in self._owned if o.index not in self._skipped] if self._size > 1 else []
             for i, b in enumerate(self._buckets):
                 full = hvd.allgather(b.shard.detach(), name=f"hvdp.zero.param.{i}")
                 for piece in b.pieces:
