@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,8 @@ from typing import Callable
 TOLERANCE = 1e-5
 STEPS = 4          # whole optimizer steps per case, then the epoch's short last step (N*b - 1 samples)
 BATCH_SIZE = 8     # per rank
+# One launch's limit: the torch launch takes about 20 s at np=2 on 2 CPU cores, Keras's on TensorFlow about 50.
+LAUNCH_TIMEOUT = 300
 RECORD = "zoo-case: "
 SUMMARY = "verify-zoo: "
 
@@ -287,8 +290,7 @@ def torch_cases() -> list[Case]:
 
 def expected_records(framework: str | None = None, keras_backend: str | None = None) -> list[tuple[str, str, str]]:
     """(framework, path, name) of every case line `hvdp verify --zoo` must print here."""
-    return [("torch" if part == "torch" else "keras", path, name)
-            for part, backend in launches(framework, keras_backend) for name, path in _expected(part, backend)]
+    return [record for part, backend in launches(framework, keras_backend) for record in _expected(part, backend)]
 
 
 # ----------------------------------------------------------------------------------------------- the workers
@@ -348,7 +350,8 @@ def _keras_worker(steps: int, batch_size: int) -> int:
         if not _applies(zoo_keras, name, backend):
             continue
         started = time.monotonic()
-        record = {"name": name, "framework": "keras", "path": backend, "tolerance": TOLERANCE}
+        record = {"name": name, "framework": getattr(zoo_keras, "FRAMEWORKS", {}).get(name, "keras"), "path": backend,
+                  "tolerance": TOLERANCE}
         try:
             diff = float(case(steps=steps, batch_size=batch_size))
             record.update(max_abs_diff=diff, ok=diff <= TOLERANCE)
@@ -361,12 +364,15 @@ def _keras_worker(steps: int, batch_size: int) -> int:
 
 
 def _applies(module, name: str, backend: str) -> bool:
-    """Whether zoo_keras's case `name` runs on `backend`: its BACKENDS[name] when the module says (a tuple of
-    backend names), else every case on TensorFlow and those not named for TensorFlow ('tf' in the name: a
-    custom tf.GradientTape loop) on torch."""
+    """Whether zoo_keras's case `name` runs on Keras `backend`: its FRAMEWORKS[name] ("keras": on either backend,
+    "tensorflow": a TensorFlow loop, on TensorFlow only) or BACKENDS[name] (a tuple of backends) when the module
+    says, else every case on TensorFlow and on torch those not named for TensorFlow ("tf" in the name)."""
     said = getattr(module, "BACKENDS", {}).get(name)
     if said is not None:
         return backend in said
+    framework = getattr(module, "FRAMEWORKS", {}).get(name)
+    if framework is not None:
+        return framework == "keras" or backend == "tensorflow"
     return backend == "tensorflow" or not any(part in ("tf", "tensorflow") for part in name.replace("-", "_").split("_"))
 
 
@@ -376,31 +382,33 @@ def keras_zoo_present() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("hvdp.tools.zoo_keras", "keras"))
 
 
-def keras_cases() -> dict[str, tuple[str, ...]]:
-    """{case name: the Keras backends it runs on} of hvdp.tools.zoo_keras, read from its source without importing it
+def keras_cases() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """{case name: (its framework, "keras" or "tensorflow"; the Keras backends it runs on)} of hvdp.tools.zoo_keras,
+    read from its source without importing it
     (that would import Keras): CASES's string keys when it is a dict literal, else its `case_<name>` functions;
-    BACKENDS when it is a literal (see _applies)."""
+    FRAMEWORKS and BACKENDS when they are literals (see _applies)."""
     import ast
     spec = importlib.util.find_spec("hvdp.tools.zoo_keras")
     if spec is None or not spec.origin:
         return {}
     tree = ast.parse(Path(spec.origin).read_text())
-    names, backends = [], {}
+    names, said = [], {}
     for node in tree.body:
         targets = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
         if "CASES" in targets and isinstance(node.value, ast.Dict):
             names = [k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
-        if "BACKENDS" in targets:
-            try:
-                backends = ast.literal_eval(node.value)
-            except ValueError:
-                backends = {}
+        for attribute in ("BACKENDS", "FRAMEWORKS"):
+            if attribute in targets:
+                try:
+                    said[attribute] = ast.literal_eval(node.value)
+                except ValueError:
+                    pass
     if not names:
         names = [n.name[len("case_"):] for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("case_")]
 
-    class Said:  # _applies reads a module's BACKENDS
-        BACKENDS = backends
-    return {name: tuple(b for b in ("tensorflow", "torch") if _applies(Said, name, b)) for name in names}
+    module = type("Said", (), said)  # what _applies reads of the module
+    return {name: (said.get("FRAMEWORKS", {}).get(name, "keras"),
+                   tuple(b for b in ("tensorflow", "torch") if _applies(module, name, b))) for name in names}
 
 
 def launches(framework: str | None, keras_backend: str | None) -> list[tuple[str, str | None]]:
@@ -413,7 +421,7 @@ def launches(framework: str | None, keras_backend: str | None) -> list[tuple[str
         backends = (keras_backend,) if keras_backend else ("tensorflow",) if framework == "tensorflow" else \
             ("tensorflow", "torch")
         installed = {b for b in backends if importlib.util.find_spec(b) is not None}
-        applying = {b for bs in keras_cases().values() for b in bs}
+        applying = {b for _, bs in keras_cases().values() for b in bs}
         out += [("keras", b) for b in backends if b in installed and b in applying]
     return out
 
@@ -435,7 +443,12 @@ def run(args) -> int:
         label = "torch" if part == "torch" else f"keras on {backend}"
         print(f"hvdp verify --zoo ({label}): " + " ".join(cmd), flush=True)
         started, mine, tail = time.monotonic(), [], []
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "120")  # a rank left in a collective: end the job
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        # A launch that hangs outside Horovod's collectives is ended too: its remaining cases print "no result".
+        timer = threading.Timer(LAUNCH_TIMEOUT, _end, (proc,))
+        timer.start()
         for line in proc.stdout:
             at = line.find(RECORD)
             if at >= 0:
@@ -445,11 +458,14 @@ def run(args) -> int:
             else:
                 tail = (tail + [line.rstrip("\n")])[-40:]
         code = proc.wait()
+        timer.cancel()
         elapsed = time.monotonic() - started
+        if elapsed >= LAUNCH_TIMEOUT:
+            tail.append(f"hvdp verify --zoo: ended after {LAUNCH_TIMEOUT} s (zoo.LAUNCH_TIMEOUT)")
         expected = _expected(part, backend)
-        missing = [n for n in expected if n not in {(r["name"], r["path"]) for r in mine}]
-        for name, path in missing:  # the launch ended before these cases (a crash, a hang the watchdog ended)
-            record = {"name": name, "framework": "torch" if part == "torch" else "keras", "path": path, "ok": False,
+        missing = [e for e in expected if e not in {(r["framework"], r["path"], r["name"]) for r in mine}]
+        for framework, path, name in missing:  # the launch ended before these (a crash, a hang the watchdog ended)
+            record = {"name": name, "framework": framework, "path": path, "ok": False,
                       "tolerance": TOLERANCE, "error": f"no result: the launch ended (exit {code}) before this case"}
             mine.append(record)
             print(format_line(record), flush=True)
@@ -468,11 +484,20 @@ def run(args) -> int:
     return 0 if ok else 1
 
 
-def _expected(part: str, backend: str | None) -> list[tuple[str, str]]:
-    """The (name, path) records a launch must print; for Keras whatever zoo_keras's CASES say applies."""
+def _end(proc) -> None:
+    """End a launch that ran past LAUNCH_TIMEOUT: its whole process group (horovodrun and the ranks)."""
+    import signal
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
+def _expected(part: str, backend: str | None) -> list[tuple[str, str, str]]:
+    """The (framework, path, name) records a launch must print; for Keras whatever zoo_keras says applies."""
     if part == "torch":
-        return [(c.name, p) for c in torch_cases() for p in c.paths]
-    return [(name, backend) for name, backends in keras_cases().items() if backend in backends]
+        return [("torch", p, c.name) for c in torch_cases() for p in c.paths]
+    return [(framework, backend, name) for name, (framework, backends) in keras_cases().items() if backend in backends]
 
 
 def format_line(record: dict) -> str:
@@ -483,7 +508,7 @@ def format_line(record: dict) -> str:
     else:
         figure = "max |dw| -       "
     verdict = "PASS" if record["ok"] else "FAIL"
-    line = f"{where:<18} {record['name']:<18} {figure}  tolerance {record['tolerance']:g}  {verdict}"
+    line = f"{where:<21} {record['name']:<18} {figure}  tolerance {record['tolerance']:g}  {verdict}"
     notes = []
     if record.get("error"):
         notes.append(record["error"])
