@@ -13,9 +13,27 @@ from hvdp.tensorflow.data import _agree_on_arrays
 from hvdp.tensorflow.runtime import _ensure_init, hvd
 
 
-def _correct(y, out) -> np.ndarray:
-    """A classifier's per-sample correctness: argmax over the last axis equal to the integer label."""
-    return np.argmax(keras.ops.convert_to_numpy(out), axis=-1) == y
+def _binary(out) -> bool:
+    """Whether `out` is a binary classifier's output: one value per sample, (N,) or (N, 1)."""
+    return len(out.shape) == 1 or (len(out.shape) == 2 and out.shape[1] == 1)
+
+
+def _correct(y, out, from_logits: bool = True) -> np.ndarray:
+    """A classifier's per-sample correctness: argmax over the last axis equal to the integer label; for one
+    output per sample, the output above the threshold (0 for a logit, 0.5 for a probability) equal to 0/1."""
+    out = keras.ops.convert_to_numpy(out)
+    if _binary(out):
+        return (out.reshape(-1) > (0.0 if from_logits else 0.5)) == np.asarray(y).reshape(-1).astype(bool)
+    return np.argmax(out, axis=-1) == y
+
+
+def _classifier_loss(y, out, from_logits: bool = True):
+    """Each sample's loss: the sparse categorical cross-entropy, or for one output per sample the binary
+    cross-entropy with 0/1 labels (the categorical one over a single class is 0 whatever the model says)."""
+    if _binary(out):
+        return keras.losses.binary_crossentropy(keras.ops.reshape(keras.ops.cast(y, "float32"), (-1, 1)),
+                                                keras.ops.reshape(out, (-1, 1)), from_logits=from_logits)
+    return keras.losses.sparse_categorical_crossentropy(y, out, from_logits=from_logits)
 
 
 def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True, loss=None,
@@ -24,7 +42,8 @@ def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True, lo
     any world size: each rank scores a contiguous, unpadded slice, the sums are gathered and added.
 
     By default it scores a classifier: the sparse categorical cross-entropy and "accuracy" (the argmax is
-    the label). For any other model pass its per-sample `loss` and your own `metrics` (or none):
+    the label); a binary classifier's one output per sample ((N,) or (N, 1), labels 0/1) with the binary
+    cross-entropy and the output above 0 (a logit) or 0.5 (a probability). For any other model pass its per-sample `loss` and your own `metrics` (or none):
     `evaluate(model, (x, y), loss=keras.losses.mean_squared_error, metrics={})`. Every rank must call it.
 
     Args:
@@ -57,8 +76,10 @@ def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True, lo
     start, stop = eval_bounds(len(x), w.rank, w.size)
     if loss is None:
         def loss(yb, out):
-            return keras.losses.sparse_categorical_crossentropy(yb, out, from_logits=from_logits)
-    metrics = {"accuracy": _correct} if metrics is None else dict(metrics)
+            return _classifier_loss(yb, out, from_logits)
+    if metrics is None:
+        metrics = {"accuracy": lambda yb, out: _correct(yb, out, from_logits)}
+    metrics = dict(metrics)
 
     def total(values) -> float:
         return float(np.sum(keras.ops.convert_to_numpy(values), dtype=np.float64))

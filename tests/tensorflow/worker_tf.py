@@ -391,6 +391,25 @@ def evaluate_counts_every_sample_once(tmp):
 
 
 @check
+def evaluate_scores_a_binary_classifier(tmp):
+    # issue 44: one output per sample went through the sparse categorical cross-entropy (0 over one class) and
+    # argmax (always 0): loss 0 and the accuracy of predicting class 0, silently
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(41, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+    keras.utils.set_random_seed(3)
+    logits = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    probabilities = keras.Sequential([logits, keras.layers.Activation("sigmoid")])
+    out = logits(x).numpy()[:, 0].astype(np.float64)
+    p = 1 / (1 + np.exp(-out))
+    loss = float(np.mean(-(y * np.log(p) + (1 - y) * np.log(1 - p))))
+    accuracy = float(np.mean((out > 0) == y))
+    for model, from_logits in ((logits, True), (probabilities, False)):
+        m = htf.evaluate(model, (x, y), batch_size=8, from_logits=from_logits)
+        assert abs(m["loss"] - loss) < 1e-4 and abs(m["accuracy"] - accuracy) < 1e-9, (from_logits, m, loss, accuracy)
+
+
+@check
 def gradient_tape_averages_and_fp16_trains(tmp):
     w = tf.Variable([1.0, 2.0])
     with tf.GradientTape() as tape:
