@@ -23,7 +23,9 @@ Its state_dict side (the unsharded layout, the streamed checkpoint) is hvdp.torc
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import weakref
 
 import torch
 
@@ -42,6 +44,36 @@ __all__ = ["BUCKET_BYTES", "ShardedOptimizer", "split"]
 # reduce-scatter starts earlier in the backward pass: on hvdp bench's GPT (10M parameters, AdamW, np=2, MPI),
 # 8 MiB buckets ran at 0.96x unsharded hvdp (median of 5 interleaved rounds), 32 MiB ones at 0.88x.
 BUCKET_BYTES = 8 * 2**20
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every ShardedOptimizer, for _guarded_clip
+
+
+def _guarded_clip(clip):
+    """torch.nn.utils.clip_grad_norm_, refusing the parameters of a sharded optimizer in the middle of its step:
+    their gradients went to the shards (the model's are None), so it would clip nothing, silently. Every rank
+    runs the same call, so every rank raises; nothing collective is left half done."""
+    @functools.wraps(clip)
+    def guarded(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        ids = {id(p) for p in params}
+        for opt in list(_LIVE):
+            reducing = opt._pending or opt._pending_owned or opt._synchronized
+            if reducing and any(i in opt._bucket_of or i in opt._owned_of for i in ids):
+                raise ConfigError("torch.nn.utils.clip_grad_norm_ on the model's parameters clips nothing with "
+                                  "shard_optimizer_state=True: the averaged gradients are in the shards and the "
+                                  "model's .grad are None. Call optimizer.clip_grad_norm_(max_norm) instead (the "
+                                  "global norm across the shards)", rank=opt._rank)
+        return clip(params, *args, **kwargs)
+    guarded.hvdp_guarded = True
+    return guarded
+
+
+def _guard_clipping() -> None:
+    """Put _guarded_clip in place of torch.nn.utils.clip_grad_norm_ (once per process; a name imported from torch
+    before the first sharded prepare() keeps torch's own)."""
+    import torch.nn.utils.clip_grad as clip_grad
+    if not getattr(torch.nn.utils.clip_grad_norm_, "hvdp_guarded", False):
+        torch.nn.utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = _guarded_clip(torch.nn.utils.clip_grad_norm_)
 
 
 class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
@@ -103,6 +135,8 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups, self.state = optimizer.param_groups, optimizer.state  # the same objects
         self._ready = True
+        _LIVE.add(self)
+        _guard_clipping()
         self._synchronized, self._consolidated = False, None
         # Overlap with the backward pass: a bucket's reduce-scatter (an owned parameter's all-reduce) starts as
         # soon as each of its parameters has accumulated its k-th gradient (Horovod's counting), and its full

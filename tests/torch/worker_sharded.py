@@ -938,6 +938,31 @@ def elastic_reshard_keeps_owned_state_and_the_layout(tmp):
 
 
 @check
+def torch_clip_grad_norm_on_the_model_is_refused(tmp):
+    # torch.nn.utils.clip_grad_norm_(model.parameters()) clipped nothing on the sharded path, silently: the
+    # model's .grad are None once reduced. It raises on every rank, naming optimizer.clip_grad_norm_, after the
+    # backward pass and after synchronize(); elsewhere (before the backward pass, any other model) it is torch's.
+    from hvdp.core.errors import ConfigError
+    torch.manual_seed(world.rank)
+    model, other = Net(), Net()
+    opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer_state=True)
+    x, y = _batch(0, world.size, 1)
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0  # no gradient yet: torch's
+    F.mse_loss(other(x[0, world.rank]), y[0, world.rank]).backward()
+    assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1e9)) > 0  # not a sharded optimizer's
+    refused = []
+    F.mse_loss(model(x[0, world.rank]), y[0, world.rank]).backward()
+    for when in ("after backward()", "after synchronize()"):
+        try:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        except ConfigError as e:
+            refused.append("optimizer.clip_grad_norm_" in str(e))
+        opt.synchronize()
+    opt.step()
+    assert refused == [True, True], refused
+
+
+@check
 def synchronize_twice_in_a_step_reduces_once(tmp):
     # A gradient-logging helper calls synchronize(), then the clipping recipe does: the second call reduced the
     # freed .grad again, making the shard's gradients zeros (norm 1.47 -> 0). It must change nothing.
