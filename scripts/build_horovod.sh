@@ -122,6 +122,19 @@ apply_fixes() {
         "$1/horovod/common/operations.cc"
     grep -q 'new ShmAllreduce(&state)' "$1/horovod/common/operations.cc" && grep -q 'ops/shm_operations.cc' "$1/CMakeLists.txt" \
         || { echo "shm allreduce patch failed" >&2; exit 1; }
+    # Fix 16: Horovod's own TensorFlow/Keras API on Keras 3 (issue 51; horovod#4290, fixed upstream only in the
+    # unmerged #4317): Keras 3's variables have no ref() (a helper keys them by the tf.Variable they hold) and are
+    # not tf.Variables (local variables, broadcast_variables, a tf.function's arguments); Keras 3's optimizers
+    # have no compute_gradients/_aggregate_gradients and fit calls apply(), so horovod.tensorflow.keras's
+    # DistributedOptimizer all-reduces there (and accumulates backward_passes_per_step); the callbacks use
+    # learning_rate (no lr) and tf.keras.backend's get_value/set_value; elastic state reads Keras 3's
+    # optimizer.variables list; SyncBatchNormalization passes no `fused` and takes Keras 3's _moments(inputs, mask).
+    patch -s -p1 -d "$1" < "$csrc/patches/keras3.patch"
+    grep -q '^def var_ref(var):' "$1/horovod/tensorflow/util.py" \
+        && grep -q '^class _Keras3DistributedOptimizer(object):' "$1/horovod/_keras/__init__.py" \
+        && ! grep -rq '[a-z]\.ref()' "$1/horovod/_keras" "$1/horovod/tensorflow/__init__.py" \
+            "$1/horovod/tensorflow/gradient_aggregation.py" "$1/horovod/tensorflow/gradient_aggregation_eager.py" \
+        || { echo "keras 3 patch failed" >&2; exit 1; }
 }
 
 if [ "${1:-}" = "--patch" ]; then
