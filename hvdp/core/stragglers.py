@@ -15,7 +15,7 @@ epoch of shard()'s loader, or K optimizer steps: both reached by every rank at t
 gather their period's summary (summarize()) and rank 0 applies the rule (Detector):
 
     a rank is a straggler when the median over the period of its per-step input (or compute) time is more
-    than THRESHOLD (20%) above the median of the other ranks' medians, by at least MIN_EXCESS (5%) of the
+    than THRESHOLD (20%) above the median of the other ranks' medians, by at least MIN_EXCESS (10%) of the
     median step, in at least CONSECUTIVE (2) consecutive periods.
 
 Medians over a period make one slow step (a collection, a page fault) count for nothing; the median of the
@@ -33,7 +33,7 @@ import statistics
 from dataclasses import dataclass, field
 
 THRESHOLD = 0.20     # a rank's median above the other ranks' median by more than this fraction
-MIN_EXCESS = 0.05    # ... and by at least this fraction of the median step
+MIN_EXCESS = 0.10    # ... and by at least this fraction of the median step
 CONSECUTIVE = 2      # ... in this many consecutive periods
 CAUSES = ("input", "compute")  # what the rule looks at: the time a rank spends before the collectives
 PARTS = ("input", "compute", "wait", "optimizer")

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from time import perf_counter
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.utils.data
 
-from hvdp import _horovod
+from hvdp import _horovod, _stragglers
 from hvdp._horovod import agree
 from hvdp.core.consistency import fingerprint_of, sample_positions
 from hvdp.core.errors import ConfigError
@@ -207,14 +208,20 @@ class _ShardLoader(torch.utils.data.DataLoader):
                           f"loader.dataset[0] instead", PeekWarning, stacklevel=2)
             self._peeked = None
         handed = 0
+        # hvdp (issue 47, step accounting): the time this rank waits for each batch; the report at the epoch's end
+        steps_before, asked = _stragglers.steps, perf_counter()
+        _stragglers.epoch_start()
         try:
             for batch in _handing_out(self.batch_sampler, enumerate(_horovod.watched(batches, LOADING))):
+                _stragglers.loader_wait(asked, perf_counter())
                 handed += 1
                 yield batch
+                asked = perf_counter()
         finally:  # an iteration abandoned after one batch of several
             running = getattr(self.batch_sampler, "_running", None)
             if handed == 1 and running is not None and running[2] > 1:
                 self._peeked = running[0]
+        _stragglers.epoch_end(hvd, steps_before)  # every rank, after the same batches (not when abandoned)
 
     _peeked: int | None = None  # the epoch whose iteration stopped after its first batch
 

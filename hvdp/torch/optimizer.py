@@ -7,11 +7,12 @@ from __future__ import annotations
 import contextlib
 import types
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 import torch
 
-from hvdp import _horovod
+from hvdp import _horovod, _stragglers
 from hvdp.core.errors import ConfigError
 from hvdp.core.scaling import learning_rate, lr_multiplier
 from hvdp.core.watchdog import WAITING
@@ -195,6 +196,7 @@ def _zero_grad(optimizer, set_to_none: bool = True):
 def _step(optimizer, *args, **kwargs):
     """Horovod's step() at this step's rate (the warmup applied around it); counts the step."""
     s = optimizer.hvdp_schedule
+    began = _stragglers.step_begin()  # hvdp (issue 47): the optimizer's update is this call less its collectives
     _horovod.progress(s.step, WAITING)
     groups = optimizer.param_groups
     kept = [g["lr"] for g in groups]
@@ -212,6 +214,7 @@ def _step(optimizer, *args, **kwargs):
     s.step += 1
     _counted(s)
     _horovod.progress(s.step, COMPUTING)
+    _stragglers.step_end(hvd, began)  # every K steps, the straggler report (a collective: every rank is here)
     return result
 
 
@@ -225,11 +228,13 @@ def _synchronize(optimizer):
     usage = optimizer._hvdp_usage
     if optimizer._synchronized and not usage.fresh and not optimizer._handles:
         return
+    waiting = perf_counter()  # hvdp (issue 47): time in the gradient collectives
     unused = usage.before_synchronize()
     try:
         type(optimizer).synchronize(optimizer)
     finally:
         usage.after_synchronize(unused)
+        _stragglers.collective_wait(waiting)
     _counted(optimizer.hvdp_schedule)
 
 

@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from hvdp import _stragglers
 from hvdp.torch.runtime import hvd
 from hvdp.torch.weights import _Batch, _gradient_hook
 
@@ -65,6 +66,7 @@ class _Usage:
                 self.queued = False
 
     def _end_of_backward(self) -> None:
+        _stragglers.backward_done()  # hvdp (issue 47): this pass's last gradient is ready
         self.queued = False
         self.passes += 1
         if self.passes >= self.schedule.passes and self.pending is None:

@@ -68,8 +68,8 @@ def test_summary_is_the_median_per_part():
 
 # ------------------------------------------------ the rule
 
-def reference_findings(values, threshold=0.2, min_excess=0.05, steps=None):
-    """The rule, written again: value > median(others) * 1.2 and value - median(others) > 5% of median step."""
+def reference_findings(values, threshold=0.2, min_excess=0.10, steps=None):
+    """The rule, written again: value > median(others) * 1.2 and value - median(others) > 10% of median step."""
     out = set()
     steps = steps or [1.0] * len(values)
     mid = sorted(steps)
@@ -96,7 +96,7 @@ def test_one_period_against_an_independent_reference(ranks, factor, slow_rank):
 
 
 def test_a_difference_too_small_to_matter_is_not_named():
-    """Input 0.1 ms against 0.05 ms: twice as slow, but 0.1% of a 50 ms step: below the 5% floor."""
+    """Input 0.1 ms against 0.05 ms: twice as slow, but 0.1% of a 50 ms step: below the 10% floor."""
     assert findings([summary(0.00005, 0.05), summary(0.0001, 0.05)]) == []
     assert [f.rank for f in findings([summary(0.001, 0.05), summary(0.01, 0.05)])] == [1]
 
