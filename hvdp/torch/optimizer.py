@@ -167,6 +167,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     # Horovod builds its wrapper with the optimizer class's default arguments (AdamW(params): weight_decay=0.01),
     # which add_param_group() fills a new group from: the user's are those of the optimizer they built.
     dist.defaults = optimizer.defaults
+    # ... and with empty state: the state the optimizer held (rank 0 restored it before prepare(), Horovod's
+    # resume recipe) was dropped, and the broadcast below sent nothing. The parameters are the same objects.
+    dist.state.update(optimizer.state)
     if not elastic():
         _check_same_model(model)
         broadcast(model, dist)  # under elastic, ElasticState.sync() does it, with the ranks there are then

@@ -1504,6 +1504,27 @@ def pytest_approx(x, rel=1e-9):
 
 
 @check
+def state_rank_0_restored_before_prepare_reaches_every_rank(tmp):
+    # Horovod's resume recipe: rank 0 loads the optimizer state, prepare() broadcasts it. Horovod's wrapper is
+    # a new optimizer over the same param groups, built empty: the restored state was dropped on rank 0 too
+    source = _Experts()
+    trained = torch.optim.AdamW(source.parameters(), lr=0.01)
+    F.cross_entropy(source(torch.randn(4, 6), 0), torch.tensor([0, 1, 2, 0])).backward()
+    trained.step()  # rank-local values: the state rank 0 saved
+    saved = hvd.broadcast_object(trained.state_dict() if world.rank == 0 else None, root_rank=0, name="test.saved")
+    model = _Experts()
+    plain = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if world.rank == 0:
+        plain.load_state_dict(saved)
+    opt = ht.prepare(model, plain)
+    got = opt.state_dict()["state"]
+    assert sorted(got) == sorted(saved["state"]) and got, (sorted(got), sorted(saved["state"]))
+    for index, entries in saved["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(got[index][key], value), (index, key)
+
+
+@check
 def synchronize_twice_reduces_once(tmp):
     # issue 44: a second synchronize() in a step (a logging helper, then the clipping recipe) reduced the
     # already-reduced gradients again: with op="sum" they grew N-fold
@@ -1592,6 +1613,27 @@ def evaluate_scores_a_binary_classifier(tmp):
     assert abs(got["loss"] - loss) < 1e-6 and abs(got["accuracy"] - accuracy) < 1e-6, (got, loss, accuracy)
     flat = ht.evaluate(torch.nn.Sequential(model, torch.nn.Flatten(0)), torch.utils.data.TensorDataset(x, y))
     assert abs(flat["loss"] - loss) < 1e-6 and flat["accuracy"] == got["accuracy"], flat
+
+
+@check
+def a_name_is_taken_while_its_operation_is_in_flight(tmp):
+    # issue 52: the rule for two operations of one name, as Horovod's engine keeps it (docs/internals.md): a
+    # second submission while the first is in flight in the engine (submitted here, not yet done by every rank)
+    # raises ValueError on that rank; once it is done, the name is free again, synchronized or not.
+    if world.size == 1:
+        return
+    tensor = torch.arange(8, dtype=torch.float32) * (world.rank + 1)
+    if world.rank == 0:  # the others post theirs only after the barrier: rank 0's first one cannot complete
+        first = hvd.broadcast_async(tensor.clone(), root_rank=0, name="hvdp.test.same_name")
+        expect(ValueError, lambda: hvd.broadcast_async(tensor.clone(), root_rank=0, name="hvdp.test.same_name"),
+               "same name")
+    hvd.barrier()
+    if world.rank > 0:
+        first = hvd.broadcast_async(tensor.clone(), root_rank=0, name="hvdp.test.same_name")
+    assert torch.equal(hvd.synchronize(first), torch.arange(8, dtype=torch.float32))
+    hvd.barrier()  # done on every rank: the name is free
+    again = hvd.broadcast_async(tensor.clone(), root_rank=0, name="hvdp.test.same_name")
+    assert torch.equal(hvd.synchronize(again), torch.arange(8, dtype=torch.float32))
 
 
 @check
