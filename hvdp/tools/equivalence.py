@@ -112,6 +112,20 @@ def compare_torch(*, build, optimizer, data, lr: float, steps: int, batch_size: 
     leftover = _leftover(leftover, world.size, batch_size)
     n = steps * accumulate * world.size * batch_size + leftover
     tensors = tuple(torch.as_tensor(t) for t in data(n, model))
+    digest = _digest(t.cpu().numpy() for t in tensors)
+    digests = ht.hvd.allgather_object(digest, name="hvdp.verify.digest") if world.size > 1 else [digest]
+    common = {"rank": world.rank, "size": world.size, "framework": "torch", "accumulate": accumulate,
+              "leftover": leftover, "compile": compile, "amp": amp, "stream": stream, "sharded": shard, "clip": clip,
+              "sync_batchnorm": sync_batchnorm, "parameters": sum(p.numel() for p in model.parameters()),
+              "data_identical": len(set(digests)) == 1}
+    if not common["data_identical"]:  # per-rank data: no step of theirs is one process's; nothing to compare
+        other = [r for r, d in enumerate(digests) if d != digests[0]]
+        if keep is not None:
+            keep.append(model)
+        return {**common, "steps": 0, "device": "cpu", "clipped_steps": 0, "max_abs_diff": float("inf"),
+                "worst": None, "replicas_identical": False, "no_grad": {}, "unfrozen_after_prepare": [],
+                "added_after_prepare": [], "plain_batchnorm": [],
+                "data_problem": f"rank(s) {', '.join(map(str, other))} made other data than rank 0; nothing was trained"}
     where = ht.device()  # the rank's GPU when there is one: both sides compute there
     model.to(where)
     # Rank 0's initial weights are what every rank holds after the broadcast in prepare().
@@ -188,10 +202,9 @@ def compare_torch(*, build, optimizer, data, lr: float, steps: int, batch_size: 
         if len(dist.param_groups) > groups else []
     plain_bn = sorted(name for name, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                       and not isinstance(m, (ht.SyncBatchNorm, torch.nn.SyncBatchNorm)))
-    mine = {"digest": _digest(t.cpu().numpy() for t in tensors), "seen": seen}
 
     def reference_run():  # rank 0 alone: one process with the global batch, from the same initial weights
-        gathered = ht.hvd.allgather_object(mine, name="hvdp.verify.data") if world.size > 1 else [mine]
+        gathered = ht.hvd.allgather_object(seen, name="hvdp.verify.seen") if world.size > 1 else [seen]
         if reference is None:
             return None
         rate = lr * world.size * accumulate  # one process at N*k times the rate: the linear rule
@@ -217,19 +230,15 @@ def compare_torch(*, build, optimizer, data, lr: float, steps: int, batch_size: 
                  for k, v in ours.items()}
         worst = max(diffs, key=diffs.get)
         return {"max_abs_diff": diffs[worst], "worst": worst, "no_grad": no_grad,
-                "data_identical": all(g["digest"] == mine["digest"] for g in gathered),
-                "data_problem": _data_problem([g["seen"] for g in gathered], global_batches, n)}
+                "data_problem": _data_problem(gathered, global_batches, n)}
 
     # An error in rank 0's reference run is raised on every rank (the others would wait for its result).
     outcome = gather_or_raise(ht.hvd, reference_run, name="hvdp.verify.diff", operation="hvdp verify")[0]
     if keep is not None:
         keep.append(model)
-    return {"rank": world.rank, "size": world.size, "framework": "torch", "steps": len(seen),
-            "accumulate": accumulate, "leftover": leftover, "compile": compile, "amp": amp, "stream": stream,
-            "device": str(where), "sharded": shard, "clip": clip, "clipped_steps": sum(clipped),
-            "parameters": sum(p.numel() for p in model.parameters()), "replicas_identical": identical,
-            "unfrozen_after_prepare": sorted(later), "added_after_prepare": added, "plain_batchnorm": plain_bn,
-            "sync_batchnorm": sync_batchnorm, **outcome}
+    return {**common, "steps": len(seen), "device": str(where), "clipped_steps": sum(clipped),
+            "replicas_identical": identical, "unfrozen_after_prepare": sorted(later), "added_after_prepare": added,
+            "plain_batchnorm": plain_bn, **outcome}
 
 
 def explain(result: dict) -> list[str]:
