@@ -337,11 +337,48 @@ def _has_address(address: str) -> bool:
     return address in _interface_addresses(None, every=True)
 
 
+def _ring_text() -> str:
+    """This rank's last collectives (hvdp.core.stragglers.format_calls), for stderr."""
+    import time
+
+    from hvdp.core.stragglers import format_calls
+    return format_calls(_watchdog.rank if _watchdog is not None else -1, _collectives.recent(), time.monotonic())
+
+
+_failures_written = 0
+
+
+def collective_failed(key, error: str) -> None:
+    """A collective raised on this rank (the adapter's wait wrapper): mark it in the ring and write the ring to
+    stderr (the first 3 times in a process); rank 0 adds which ranks had not entered the collective the
+    others were in, from the watchdog's last heartbeats. Then forgets the collective (it is over)."""
+    global _failures_written
+    try:
+        missing = _watchdog.not_entered() if _watchdog is not None and _watchdog.rank == 0 else ""
+    except Exception:  # noqa: BLE001 - the record must not hide the collective's own error
+        missing = ""
+    if key is not None:
+        _collectives.finished(key, error)
+    if _failures_written >= 3:
+        return
+    _failures_written += 1
+    try:
+        text = _ring_text() + (f"\nhvdp: at the failure, {missing}" if missing else "")
+        print(text, file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _end_job(message: str) -> None:
-    """The watchdog's end of a hung job: print why, kill this rank's own child processes (DataLoader workers,
-    the forkserver: a stuck worker keeps the launcher's output pipe open, and horovodrun --gloo waits for it),
-    and exit with the watchdog's code so that the launcher tears the job down."""
+    """The watchdog's end of a hung job: print why and this rank's last collectives, kill this rank's own
+    child processes (DataLoader workers, the forkserver: a stuck worker keeps the launcher's output pipe open,
+    and horovodrun --gloo waits for it), and exit with the watchdog's code so that the launcher tears the job
+    down."""
     print(message, file=sys.stderr, flush=True)
+    try:
+        print(_ring_text(), file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - ending the job must not fail
+        pass
     try:
         import psutil  # a Horovod dependency
 

@@ -8,8 +8,9 @@ collective, so it keeps running while the main thread is blocked in MPI or Gloo.
 
 - a peer silent for `timeout` seconds (default 60: stopped, frozen, its host or network gone) ends the job;
 - every rank blocked in a collective that another rank has not submitted (rank 0 in broadcast_object while
-  rank 1 is in prepare()'s broadcast): no amount of waiting resolves that, so it ends the job after the same
-  `timeout`, naming each rank's pending collective;
+  rank 1 is in prepare()'s broadcast): no amount of waiting resolves that, so it ends the job as soon as every
+  rank's heartbeats have said so for MISMATCH_CONFIRM seconds (3, or `timeout` when shorter), naming each
+  rank's pending collective and which ranks had not entered it;
 - this rank waiting in a collective (the gradient all-reduce, or any other: allgather_object, broadcast,
   barrier, evaluate) while a live peer is elsewhere, outside any collective (rank 0 evaluating, writing a
   large checkpoint to a slow filesystem, logging, or a rank stuck in its DataLoader) is normal for a while:
@@ -61,11 +62,13 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from hvdp.core.errors import ConfigError
+from hvdp.core.stragglers import RING, Call, describe_not_entered, not_entered
 from hvdp.core.heartbeats import (JOB_TAG_SIZE, MAX_PACKET, TAG_SIZE, drop_strangers, heartbeat_targets,
                                    job_tag, plain_address, seal)
 
@@ -80,6 +83,7 @@ BATCH = 256  # datagrams read per wake-up before the thread looks at the clock a
 PAUSE_SLACK = 2.0  # seconds by which the loop may overrun its interval before it counts as a pause
 MAX_NAME = 200  # characters of a collective's name a heartbeat carries
 MAX_LACKS = 8   # names of peers' collectives a heartbeat says this rank lacks
+MISMATCH_CONFIRM = 3.0  # seconds every rank must be seen blocked in collectives the others lack (or `timeout`)
 
 
 @dataclass(slots=True)
@@ -96,7 +100,9 @@ class PeerState:
 
 class Collectives:
     """This rank's Horovod collectives in flight, as an adapter reports them: each submitted one's name by its
-    key (a Horovod handle) until its wait ends, and the one the main thread waits on now, since when.
+    key (a Horovod handle) until its wait ends, and the one the main thread waits on now, since when; and a
+    ring of the last RING collectives (sequence number, name, bytes, start, end, error) for the record
+    written when the job ends or a collective raises (hvdp.core.stragglers.format_calls).
 
     Written by the thread that calls Horovod, read by the watchdog's thread: every update is one assignment
     or one dict operation, and the reader copies.
@@ -105,10 +111,18 @@ class Collectives:
     def __init__(self):
         self._pending: dict = {}
         self._wait: tuple = (None, 0.0, None)  # (name, since, key), replaced whole
+        self._seq = 0
+        self._ring: deque = deque(maxlen=RING)  # [seq, name, size, start, end, error] lists, oldest first
+        self._open: dict = {}  # key -> its ring entry, until finished
 
-    def submitted(self, key, name: str) -> None:
-        """Collective `name` was submitted; `key` (its handle) identifies it until finished(key)."""
+    def submitted(self, key, name: str, size: int | None = None) -> None:
+        """Collective `name` (`size` bytes, when known) was submitted; `key` (its handle) identifies it until
+        finished(key)."""
         self._pending[key] = name[:MAX_NAME]
+        self._seq += 1
+        entry = [self._seq, name[:MAX_NAME], size, time.monotonic(), None, None]
+        self._ring.append(entry)
+        self._open[key] = entry
 
     def wait(self, key) -> None:
         """The main thread starts waiting for the collective submitted under `key` (unknown keys: no-op)."""
@@ -116,11 +130,23 @@ class Collectives:
         if name is not None:
             self._wait = (name, time.monotonic(), key)
 
-    def finished(self, key) -> None:
-        """The wait for `key` ended (done or failed): it is no longer pending."""
+    def finished(self, key, error: str | None = None) -> None:
+        """The wait for `key` ended (done, or failed with `error`): it is no longer pending."""
         self._pending.pop(key, None)
+        entry = self._open.pop(key, None)
+        if entry is not None:
+            entry[4], entry[5] = time.monotonic(), error
         if self._wait[2] is key or self._wait[2] == key:
             self._wait = (None, 0.0, None)
+
+    def recent(self) -> list[Call]:
+        """The ring: this rank's last collectives, oldest first."""
+        for _ in range(10):
+            try:
+                return [Call(*entry) for entry in list(self._ring)]
+            except RuntimeError:  # mutated while copied (another thread): try again
+                continue
+        return []
 
     @contextmanager
     def blocking(self, name: str) -> Iterator[None]:
@@ -134,7 +160,10 @@ class Collectives:
         self.wait(key)
         try:
             yield
-        finally:
+        except BaseException as e:
+            self.finished(key, f"{type(e).__name__}: {str(e)[:200]}")
+            raise
+        else:
             self.finished(key)
 
     def waiting(self) -> tuple[str | None, float]:
@@ -232,6 +261,8 @@ class Watchdog:
         self.rejected = 0  # packets ignored: malformed, unauthenticated, foreign or replayed
         self.dropped = 0  # datagrams dropped unread: from an address outside the job, or without the job's tag
         self.interval = interval if interval is not None else min(1.0, timeout / 5)
+        # every rank blocked in a collective another never submitted: certain once their heartbeats say so
+        self.mismatch_limit = min(timeout, max(MISMATCH_CONFIRM, 3 * self.interval))
         self.on_hang = on_hang or _abort
         self.on_warning = on_warning or _warn
         self.on_pause = on_pause or (_warn if rank == 0 else (lambda message: None))
@@ -451,10 +482,11 @@ class Watchdog:
         deadlock = self._deadlock(now)
         if deadlock:
             return (f"hvdp watchdog: every rank is blocked in a collective that another rank never submitted, "
-                    f"which no waiting resolves: {deadlock}. The ranks called different collectives, or the same "
-                    f"ones in another order (a rank-dependent code path): every rank must call the same "
-                    f"collectives in the same order. Ending the job (limit {self.timeout:g} s for ranks blocked "
-                    f"in different collectives; HVDP_WATCHDOG_TIMEOUT changes it).")
+                    f"which no waiting resolves: {deadlock}. {_sentence(self.not_entered())} The ranks called "
+                    f"different collectives, or the same ones in another order (a rank-dependent code path): every "
+                    f"rank must call the same collectives in the same order. Ending the job (after "
+                    f"{self.mismatch_limit:g} s of every rank blocked so, confirmed by their heartbeats; "
+                    f"HVDP_WATCHDOG_TIMEOUT bounds it).")
         elsewhere = self._elsewhere(now, self.elsewhere_timeout)
         if elsewhere:
             return (f"hvdp watchdog: {self._me(now)}, but {elsewhere}: it never reached this collective (a "
@@ -483,14 +515,14 @@ class Watchdog:
                 f"the job is ended (HVDP_WATCHDOG_ELSEWHERE_TIMEOUT changes that limit).")
 
     def _deadlock(self, now: float) -> str:
-        """Each rank and its collective, when every rank has been blocked longer than `timeout` in a collective
-        that another rank lacks (reported by that rank while it waits); "" otherwise."""
+        """Each rank and its collective, when every rank has been blocked longer than `mismatch_limit` in a
+        collective that another rank lacks (reported by that rank while it waits); "" otherwise."""
         op, since = self.collectives.waiting()
-        if op is None or self.elapsed(since, now) <= self.timeout or len(self.state) != len(self.peers) - 1:
+        if op is None or self.elapsed(since, now) <= self.mismatch_limit or len(self.state) != len(self.peers) - 1:
             return ""
         ranks = {self.rank: (op, since, tuple(self._lacks(op)))}
         ranks.update((r, (p.op, p.op_since, p.lacks)) for r, p in self.state.items())
-        if any(o is None or self.elapsed(s, now) <= self.timeout for o, s, _ in ranks.values()):
+        if any(o is None or self.elapsed(s, now) <= self.mismatch_limit for o, s, _ in ranks.values()):
             return ""
         missing = {}
         for r, (o, _, _) in ranks.items():
@@ -499,6 +531,16 @@ class Watchdog:
                 return ""  # every other rank has submitted it: it can still complete
         return "; ".join(f"rank {r} waits for {o} ({self.elapsed(s, now):.0f} s), which {_ranks(missing[r])} never submitted"
                          for r, (o, s, _) in sorted(ranks.items()))
+
+    def not_entered(self) -> str:
+        """Which ranks had not entered the collective the others were in, by name, from this rank's own state
+        and its peers' last heartbeats ("" when every rank in a collective has the others' submitted)."""
+        op, _ = self.collectives.waiting()
+        current = {self.rank: op, **{r: p.op for r, p in self.state.items()}}
+        lacks = {self.rank: set(self._lacks(op)) if op is not None else
+                 {p.op for p in self.state.values() if p.op is not None} - self.collectives.names(),
+                 **{r: set(p.lacks) for r, p in self.state.items()}}
+        return describe_not_entered(not_entered(current, lacks), current)
 
     def _elsewhere(self, now: float, limit: float, outside_only: bool = False) -> str:
         """Where the live peers that are not in this rank's collective are, when this rank has been blocked
@@ -545,6 +587,10 @@ def _doing(phase: str, op: str | None) -> str:
     if phase in (STARTING, COMPUTING):
         return f"in the collective {op}"
     return f"{phase}, in the collective {op}"
+
+
+def _sentence(text: str) -> str:
+    return f"{text[:1].upper()}{text[1:]}." if text else ""
 
 
 def _abort(message: str) -> None:

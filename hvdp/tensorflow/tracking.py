@@ -55,8 +55,12 @@ def _eager(original, op_type: str, collectives: Collectives):
     def run(*args, **kwargs):
         if not tf.executing_eagerly():  # traced into a graph: runs later, in TensorFlow's runtime
             return original(*args, **kwargs)
-        with collectives.blocking(op_type):
-            return original(*args, **kwargs)
+        try:
+            with collectives.blocking(op_type):
+                return original(*args, **kwargs)
+        except Exception as e:  # a collective that raised: the ring is written
+            _horovod.collective_failed(None, f"{type(e).__name__}: {str(e)[:200]}")
+            raise
     return run
 
 

@@ -1,8 +1,9 @@
 """What hvdp's watchdog knows of this rank's Horovod collectives (PyTorch): every collective horovod.torch
 submits (allreduce, allgather, broadcast, alltoall, reducescatter, their grouped forms, barrier, join: also
 what allgather_object, broadcast_object, broadcast_parameters and the DistributedOptimizer use) is recorded by
-its name, and every wait in synchronize() by the collective waited on, in the registry the watchdog reads
-(hvdp.core.watchdog.Collectives). So a hang names what each rank is blocked in, whoever called Horovod.
+its name and size, and every wait in synchronize() by the collective waited on, in the registry the watchdog
+reads (hvdp.core.watchdog.Collectives), which keeps a ring of the last ones; a wait that raises writes that
+ring (hvdp._horovod.collective_failed). So a hang names what each rank is blocked in, whoever called Horovod.
 
 install() wraps horovod.torch's submit functions and synchronize() in place, once per process, when the
 watchdog runs; a few dictionary operations per collective."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+from hvdp import _horovod
 from hvdp.core.watchdog import Collectives
 
 # horovod.torch.mpi_ops's functions that submit a collective and return its handle, and the prefix Horovod
@@ -58,9 +60,20 @@ def _submitter(original, prefix: str, collectives: Collectives):
     def submit(*args, **kwargs):
         handle = original(*args, **kwargs)
         name = args[at] if len(args) > at else kwargs.get("name")
-        collectives.submitted(handle, f"{prefix}.{name}" if name else f"{prefix}.noname.{handle}")
+        collectives.submitted(handle, f"{prefix}.{name}" if name else f"{prefix}.noname.{handle}",
+                              _nbytes(args[0] if args else None))
         return handle
     return submit
+
+
+def _nbytes(tensors) -> int | None:
+    """The bytes of a collective's input: a tensor, or a list of them (the grouped forms)."""
+    try:
+        if isinstance(tensors, (list, tuple)):
+            return sum(t.numel() * t.element_size() for t in tensors)
+        return tensors.numel() * tensors.element_size()
+    except (AttributeError, TypeError):
+        return None
 
 
 def _fixed(original, name: str, collectives: Collectives):
@@ -77,7 +90,10 @@ def _synchronizer(original, collectives: Collectives):
     def synchronize(handle):
         collectives.wait(handle)
         try:
-            return original(handle)
-        finally:
-            collectives.finished(handle)
+            result = original(handle)
+        except BaseException as e:  # a collective that raised: the ring is written (hvdp._horovod)
+            _horovod.collective_failed(handle, f"{type(e).__name__}: {str(e)[:200]}")
+            raise
+        collectives.finished(handle)
+        return result
     return synchronize

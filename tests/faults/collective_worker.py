@@ -3,7 +3,9 @@
 loader: rank 1's DataLoader never delivers a batch (a worker stuck in __getitem__, as one deadlocked at its
     start would be), while rank 0 reads its epoch and waits in hvd.allgather_object;
 mismatch: rank 0 calls hvd.broadcast_object alone, while rank 1 goes on to prepare() (its model check's
-    allgather, then its broadcast): both blocked in collectives the other never submits.
+    allgather, then its broadcast): both blocked in collectives the other never submits;
+shapes: the ranks all-reduce one tensor name with different shapes: Horovod raises on every rank, and each
+    writes its last collectives.
 
 Each rank prints how far it got; the watchdog is to end the job naming where each rank is. Run by
 tests/faults/test_hangs.py under horovodrun, MPI and Gloo.
@@ -53,6 +55,12 @@ def main() -> None:
             print(f"collective: rank {world.rank} entering prepare()", flush=True)
             model = torch.nn.Linear(4, 2)
             ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    elif scenario == "shapes":  # the same collective with other shapes: Horovod raises on every rank at once
+        try:
+            hvd.allreduce(torch.zeros(2 + world.rank), name="grads.fc")
+        except Exception as e:  # noqa: BLE001
+            print(f"collective: rank {world.rank} raised {type(e).__name__}", flush=True)
+            raise SystemExit(1)
     print(f"collective: rank {world.rank} finished without noticing", flush=True)
 
 

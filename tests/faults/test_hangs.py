@@ -1,6 +1,7 @@
 """A dead, hung or diverging rank ends the job with a message that names it, within a bounded time."""
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -177,14 +178,37 @@ MISMATCH = {"torch": (COLLECTIVES, ["mismatch"], "broadcast.config.sz", "allgath
 def test_ranks_blocked_in_different_collectives_end_within_the_silent_peer_limit(framework):
     """issue 29: rank 0 in hvd.broadcast_object while rank 1 went on to prepare() (its model check's allgather;
     with TensorFlow, check_consistency's): both blocked in collectives the other never submits. The watchdog
-    ends the job after the silent-peer limit (5 s here; the elsewhere limit and Horovod's stall shutdown are
-    left long), each rank naming both collectives. Before, nothing ended it until Horovod's stall shutdown (30
+    ends the job once every rank's heartbeats have shown it for 3 s (issue 47; the silent-peer limit, 20 s
+    here, only bounds that), each rank naming both collectives and which rank had not entered which, and
+    writing its last collectives. Before issue 29, nothing ended it until Horovod's stall shutdown (30
     minutes by default)."""
     worker, args, first, second = MISMATCH[framework]
-    results = run_side_by_side(worker, args, {"HVDP_WATCHDOG_TIMEOUT": "5",
+    results = run_side_by_side(worker, args, {"HVDP_WATCHDOG_TIMEOUT": "20",
                                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "600"}, limit=120)
     for launcher, (code, out, seconds) in results.items():
         assert code not in (0, None) and "still running" not in out, (launcher, out[-3000:])
         assert "every rank is blocked in a collective that another rank never submitted" in out, (launcher, out[-3000:])
         assert f"rank 0 waits for {first} (" in out and f"rank 1 waits for {second} (" in out, (launcher, out[-3000:])
         assert "Horovod has been shut down" not in out.split("every rank is blocked")[0], (launcher, out[-3000:])
+        # issue 47: which ranks had not entered which collective, both tensors by name, and the ranks' rings
+        assert (f"ank 0 had not entered {second}, which rank 1 is in (rank 0 is in {first}); rank 1 had not "
+                f"entered {first}, which rank 0 is in (rank 1 is in {second})") in out, (launcher, out[-3000:])
+        assert "last collective(s), oldest first:" in out, (launcher, out[-3000:])
+        assert re.search(rf"#\d+ ({re.escape(first)}|{re.escape(second)}) \([^)]*\): (NOT FINISHED|.*raised)", out), \
+            (launcher, out[-3000:])
+        # at once: after MISMATCH_CONFIRM (3 s) of heartbeats, not the silent-peer limit (here 20 s)
+        blocked = [float(x) for x in re.findall(r"waits for \S+ \((\d+) s\)", out)]
+        assert blocked and min(blocked) < 15, (launcher, blocked, out[-3000:])
+
+
+def test_ranks_that_raise_inside_a_collective_write_their_last_collectives():
+    """issue 47: the ranks all-reduce one name with different shapes; Horovod raises on every rank at once,
+    and each rank writes its ring of last collectives, the failed one marked with its error."""
+    results = run_side_by_side(COLLECTIVES, ["shapes"], {}, limit=120)
+    for launcher, (code, out, seconds) in results.items():
+        assert code not in (0, None) and "still running" not in out, (launcher, out[-3000:])
+        for rank in (0, 1):
+            assert f"hvdp: rank {rank}'s last" in out, (launcher, rank, out[-3000:])
+            assert f"collective: rank {rank} raised HorovodInternalError" in out, (launcher, out[-3000:])
+        assert out.count("allreduce.grads.fc (8 B)") + out.count("allreduce.grads.fc (12 B)") == 2, out[-3000:]
+        assert out.count("raised HorovodInternalError: Mismatched ALLREDUCE tensor shapes") == 2, out[-3000:]
