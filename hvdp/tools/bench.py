@@ -181,6 +181,8 @@ def _impl_run(impl: str) -> tuple[str, bool, dict]:
         return "horovod", False, {}
     if impl == "hvdp-no-watchdog":  # what hvdp's watchdog costs per step
         return "hvdp", False, {"HVDP_WATCHDOG": "0"}
+    if impl == "hvdp-no-accounting":  # what the per-step accounting and straggler report cost (issue 47)
+        return "hvdp", False, {"HVDP_STEP_ACCOUNTING": "0"}
     if impl == "hvdp-no-prompt":  # Horovod's cycle timing without fix 13 (docs/internals.md)
         return "hvdp", False, {"HVDP_PROMPT_START": "0"}
     return impl, False, {}
@@ -198,7 +200,7 @@ def _train(framework: str, model: str, args, rounds: int, steps: list[str], raw_
     impls = list(spec["impls"] if all_impls else impls)
     if framework == "torch" and all_impls:
         impls += (["horovod-autotune"] if args.autotune else []) + \
-                 ([] if args.quick else ["hvdp-no-watchdog", "hvdp-no-prompt"])
+                 ([] if args.quick else ["hvdp-no-watchdog", "hvdp-no-prompt", "hvdp-timeline"])
     with tempfile.TemporaryDirectory(prefix="hvdp-bench-turns-") as directory:
         jobs = []
         for impl in impls:
@@ -206,6 +208,8 @@ def _train(framework: str, model: str, args, rounds: int, steps: list[str], raw_
             env = {**raw_env, **(RUNTIME_DEFAULTS if tuned else {}), **extra}
             if impl == impls[0] and args.timeline:
                 env["HOROVOD_TIMELINE"] = f"{args.timeline}.{framework}.{model}.json"
+            if impl == "hvdp-timeline":  # what recording Horovod's timeline costs (issue 52: fix 15)
+                env["HOROVOD_TIMELINE"] = os.path.join(directory, f"timeline.{framework}.{model}.json")
             jobs.append(_job(impl, real, spec["worker"], worker_args, args, env, directory,
                              autotune=impl == "horovod-autotune"))
         jobs += _plain_jobs(spec["worker"], worker_args, args, raw_env, directory)
