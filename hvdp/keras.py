@@ -29,6 +29,7 @@ Elastic fit (TensorFlow backend): ElasticState and elastic_run, from hvdp/keras_
 
 from __future__ import annotations
 
+import sys
 import weakref
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdp import _keras_backend, _preemption
+from hvdp import _keras_backend, _keras_stop, _preemption
 from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import ConfigError, HvdpError
 from hvdp.core.world import World
@@ -309,6 +310,7 @@ class DistributedCallback(keras.callbacks.Callback):
             model.make_train_function(force=True)
         if self.data is not None:  # the gradient weights group the optimizer's passes into steps
             self.data.hvdp_position.passes = getattr(optimizer, "backward_passes_per_step", 1)
+        self._agree_on_stop(optimizer)
         self.resumed = (load_checkpoint(self.checkpoint_dir, model, optimizer, self.data)
                         if self.checkpoint_dir else None)
         if self.resumed is not None:
@@ -320,10 +322,35 @@ class DistributedCallback(keras.callbacks.Callback):
         elif self._broadcast_first:
             _keras_backend.broadcast(model, optimizer)  # builds the optimizer's state first: no fake step
 
+    def _agree_on_stop(self, optimizer) -> None:
+        """Make a `stop_training` set on one rank every rank's (hvdp/_keras_stop.py): the optimizer's gradient
+        all-reduce carries a StopFlag, and an AgreeOnStop goes last in fit's callbacks, after the user's. fit
+        calls on_train_begin from its CallbackList (the caller's frame), whose list is appended to; run any
+        other way (a hand-made loop of callbacks), there is no agreement and a rank's stop is its own."""
+        if _hvd().size() == 1 or not isinstance(optimizer, DistributedOptimizer):
+            return
+        caller = sys._getframe(2).f_locals.get("self")
+        if not isinstance(caller, keras.callbacks.CallbackList):
+            return
+        flag = getattr(optimizer, "_hvdp_stop", None)
+        if flag is None:
+            optimizer._hvdp_stop = flag = _keras_stop.StopFlag()
+            self.model.make_train_function(force=True)  # a step traced before would not carry the flag
+        flag.reset()
+        if not any(isinstance(c, _keras_stop.AgreeOnStop) for c in caller.callbacks):
+            caller.callbacks.append(_keras_stop.AgreeOnStop(flag))
+            caller.callbacks[-1].set_model(self.model)
+
     def on_train_end(self, logs=None):
-        """Forget the resumed epoch, so that a later fit() starts from its own initial_epoch; `logs` unused."""
+        """Forget the resumed epoch, so that a later fit() starts from its own initial_epoch, and a stop the
+        ranks agreed on (the next fit starts without one); `logs` unused."""
         if self.resumed is not None:
             self.model._initial_epoch = None
+        flag = getattr(self.model.optimizer, "_hvdp_stop", None)
+        if flag is not None and flag.agreed():
+            _discard_accumulated(self.model.optimizer)
+        if flag is not None:
+            flag.reset()
 
     def _finish_epoch(self, epoch: int, first: int) -> None:
         """Train the rest of `epoch` from batch `first` (a checkpoint taken mid-epoch, on preemption) with
@@ -366,7 +393,9 @@ class DistributedCallback(keras.callbacks.Callback):
 
         Collective (fit runs it on every rank): the ranks must log the same metric names.
         """
-        if self.data is not None and isinstance(self.model.optimizer, DistributedOptimizer):
+        stopped = getattr(self.model.optimizer, "_hvdp_stop", None)
+        if (self.data is not None and isinstance(self.model.optimizer, DistributedOptimizer)
+                and not (stopped is not None and stopped.agreed())):  # passes after an agreed stop are dropped
             self.model.optimizer.flush()  # with backward_passes_per_step=k: the last j < k passes are a step
         if self.average_metrics and logs and _hvd().size() > 1:
             keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.floating, np.integer)))
@@ -374,6 +403,15 @@ class DistributedCallback(keras.callbacks.Callback):
         if self.checkpoint_dir:
             save_checkpoint(self.checkpoint_dir, self.model, self.model.optimizer, epoch=epoch + 1, step=0,
                             global_step=int(self.model.optimizer.iterations), keep=self.keep)
+
+
+def _discard_accumulated(optimizer) -> None:
+    """Drop a DistributedOptimizer's passes accumulated since its last step (the ranks stopped before it)."""
+    if optimizer.backward_passes_per_step > 1 and optimizer.built:
+        for a in optimizer._accumulators:
+            a.assign(keras.ops.zeros_like(a))
+        optimizer._passes.assign(0)
+        optimizer._used = set()
 
 
 def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int = 3,
@@ -389,7 +427,9 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
       after the step the ranks agree on (within hvdp.tensorflow.preemption.CHECK_EVERY steps), then every
       rank exits with 75 for a requeue; the rerun trains the rest of that epoch before fit's first epoch
       (the later callbacks see no on_epoch_end for it), then fit continues;
-    - shows fit's progress bar (verbose=1 or 2) on rank 0 only.
+    - shows fit's progress bar (verbose=1 or 2) on rank 0 only;
+    - makes a `model.stop_training = True` set by any callback on one rank every rank's, at the same step
+      (hvdp/_keras_stop.py: carried by the next step's gradient all-reduce, or settled at the epoch's end).
 
     Learning-rate scaling and warmup live in DistributedOptimizer (a LearningRateSchedule), not here.
     Every rank must call it and pass the callbacks to the same model.fit; model.fit runs collectives in them.
@@ -448,11 +488,13 @@ def _sync_sum(stats):
 class SyncBatchNormalization(keras.layers.BatchNormalization):
     """BatchNormalization whose training statistics are those of the global batch (all ranks together).
 
-    One all-reduce of (sum, sum of squares, count) per call, differentiable; in inference it is plain
-    BatchNormalization. (Horovod's SyncBatchNormalization does not work on Keras 3: it passes `fused`.)
-    Takes keras.layers.BatchNormalization's arguments. In training with 2+ ranks every rank must call the
-    layer the same number of times, in the same order (one all-reduce each). Serialisable. On Keras's torch
-    backend the sums go through horovod.torch's all-reduce (differentiable the same way).
+    Two all-reduces per call: (sum, count) for the global mean, then the sums of the deviations from it and of
+    their squares, from which the mean and the variance follow exactly (differentiable; the variance is not
+    E[x^2] - E[x]^2, which loses every digit in float32 when the inputs' mean is large against their spread);
+    in inference it is plain BatchNormalization. (Horovod's SyncBatchNormalization does not work on Keras 3: it
+    passes `fused`.) Takes keras.layers.BatchNormalization's arguments. In training with 2+ ranks every rank
+    must call the layer the same number of times, in the same order (two all-reduces each). Serialisable. On
+    Keras's torch backend the sums go through horovod.torch's all-reduce (differentiable the same way).
     """
 
     def _moments(self, inputs, mask):
@@ -466,32 +508,43 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         else:
             weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), tf.float32), tf.shape(x))
         axes = self._reduction_axes
-        s1 = tf.reduce_sum(weights * x, axes)
-        shape = tf.shape(s1)
-        stats = tf.concat([tf.reshape(s1, [-1]), tf.reshape(tf.reduce_sum(weights * x * x, axes), [-1]),
-                           tf.reshape(tf.reduce_sum(weights, axes), [-1])], axis=0)
-        stats = _sync_sum(stats)
-        s1, s2, n = (tf.reshape(part, shape) for part in tf.split(stats, 3))
-        mean = s1 / n
-        variance = tf.maximum(s2 / n - mean * mean, 0.0)
+
+        def summed(*parts):  # each part's sum over the ranks (one all-reduce), in the parts' shape
+            shape = tf.shape(parts[0])
+            total = _sync_sum(tf.concat([tf.reshape(p, [-1]) for p in parts], axis=0))
+            return [tf.reshape(p, shape) for p in tf.split(total, len(parts))]
+
+        # First pass: the global mean, a shift only (no gradient flows through it).
+        s1, n = (tf.stop_gradient(t) for t in summed(tf.reduce_sum(weights * x, axes), tf.reduce_sum(weights, axes)))
+        shift = s1 / n
+        # Second pass: the deviations from the shift; mean and variance from them exactly (their gradients too).
+        d = weights * (x - shift)
+        d1, d2 = summed(tf.reduce_sum(d, axes), tf.reduce_sum(d * (x - shift), axes))
+        mean = shift + d1 / n
+        variance = tf.maximum(d2 / n - tf.square(d1 / n), 0.0)
         return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
 
     def _torch_moments(self, inputs, mask, horovod):
-        """_moments on Keras's torch backend: the same sums, all-reduced by horovod.torch, whose all-reduce is
-        differentiable (its gradient is the sum of the gradients, as _sync_sum's). Runs eagerly, so each
-        all-reduce completes before the next starts and one name serves them all."""
+        """_moments on Keras's torch backend: the same two passes, all-reduced by horovod.torch, whose
+        all-reduce is differentiable (its gradient is the sum of the gradients, as _sync_sum's). Runs eagerly,
+        so each all-reduce completes before the next starts and one name serves them all."""
         if not horovod.is_initialized() or horovod.size() == 1:
             return super()._moments(inputs, mask)
         x = inputs.float()
         weights = x.new_ones(()).expand_as(x) if mask is None else mask.unsqueeze(-1).to(x.dtype).expand_as(x)
         axes = list(self._reduction_axes)
-        s1 = (weights * x).sum(axes)
-        stats = horovod.allreduce(
-            keras.ops.concatenate([s1.reshape(-1), (weights * x * x).sum(axes).reshape(-1),
-                                   weights.sum(axes).reshape(-1)]), op=horovod.Sum, name="hvdp_sync_batch_norm")
-        s1, s2, n = (part.reshape(s1.shape) for part in stats.chunk(3))
-        mean = s1 / n
-        variance = (s2 / n - mean * mean).clamp_min(0.0)
+
+        def summed(*parts):
+            total = horovod.allreduce(keras.ops.concatenate([p.reshape(-1) for p in parts]), op=horovod.Sum,
+                                      name="hvdp_sync_batch_norm")
+            return [p.reshape(parts[0].shape) for p in total.chunk(len(parts))]
+
+        s1, n = summed((weights * x).sum(axes).detach(), weights.sum(axes).detach())  # no gradient through it
+        shift = s1 / n
+        d = weights * (x - shift)
+        d1, d2 = summed(d.sum(axes), (d * (x - shift)).sum(axes))
+        mean = shift + d1 / n
+        variance = (d2 / n - (d1 / n) ** 2).clamp_min(0.0)
         return mean.to(inputs.dtype), variance.to(inputs.dtype)
 
 

@@ -1,0 +1,273 @@
+"""Checks of hvdp.keras's model.fit as users write it (callbacks, checkpoints, BatchNorm statistics, losses and
+metrics; issue 50), run under horovodrun by tests/tensorflow/test_keras_fit.py on both Keras backends
+(KERAS_BACKEND=tensorflow and torch: the same checks, through the backend's Horovod). Every assertion holds at
+any world size; the ones that need two ranks say so."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import hvdp.keras as hk  # noqa: E402
+from hvdp.core.sharding import ShardPlan  # noqa: E402
+from tests.checks import check, main  # noqa: E402
+
+world = hk.init()
+hvd = hk._hvd()  # the backend's Horovod (horovod.torch on KERAS_BACKEND=torch)
+LAST = world.size - 1  # "one rank": the last
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+BATCH, STEPS = 4, 6
+
+
+def _weights(model) -> list:
+    return [np.array(keras.ops.convert_to_numpy(v)) for v in model.weights]
+
+
+def _model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+
+
+def _data(n=None, seed=0):
+    n = STEPS * world.size * BATCH if n is None else n
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 6)).astype(np.float32), rng.integers(0, 3, n).astype(np.int64)
+
+
+def _same_everywhere(value, label):
+    everyone = hvd.allgather_object(value, name=f"same.{label}")
+    assert all(v == everyone[0] for v in everyone), f"{label} differs across ranks: {everyone}"
+
+
+def _replicas_identical(model, label):
+    everyone = hvd.allgather_object([w.tolist() for w in _weights(model)], name=f"replicas.{label}")
+    for other in everyone:
+        for a, b in zip(other, everyone[0]):
+            assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True), f"{label}: replicas differ"
+
+
+# ----------------------------------------------------------------------------- row 1: stop_training on one rank
+
+class _StopOn(keras.callbacks.Callback):
+    """Sets model.stop_training on rank `rank` only, after batch `batch` of `epoch` (batch None: at the end of
+    `epoch`, as EarlyStopping on a rank-local value does)."""
+
+    def __init__(self, rank, epoch, batch=None):
+        super().__init__()
+        self.rank, self.epoch, self.batch, self._epoch = rank, epoch, batch, -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if world.rank == self.rank and self._epoch == self.epoch and batch == self.batch:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if world.rank == self.rank and epoch == self.epoch and self.batch is None:
+            self.model.stop_training = True
+
+
+class _Snapshot(keras.callbacks.Callback):
+    """The weights and optimizer steps after each batch (the state a stop at that batch must leave)."""
+
+    def __init__(self):
+        super().__init__()
+        self.after = {}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.after[(self._epoch, batch)] = (_weights(self.model), int(self.model.optimizer.iterations))
+
+
+def _fit_and_stop(stopper, *, epochs=3, steps_per_execution=1, k=1, label):
+    model = _model()
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                                    backward_passes_per_step=k),
+                  loss=LOSS, steps_per_execution=steps_per_execution)
+    data = hk.shard(_data(), batch_size=BATCH, seed=3)
+    snapshot = _Snapshot()
+    history = model.fit(data, epochs=epochs, verbose=0,
+                        callbacks=[*hk.callbacks(data=data), snapshot, stopper])
+    _replicas_identical(model, label)
+    _same_everywhere(len(history.epoch), f"{label}.epochs")
+    return model, history, snapshot
+
+
+@check
+def one_rank_stopping_mid_epoch_stops_every_rank_after_that_step(tmp):
+    # Today: rank LAST leaves the loop, the others wait in step 3's gradient all-reduce: a hang.
+    model, history, snapshot = _fit_and_stop(_StopOn(LAST, epoch=1, batch=2), label="mid")
+    assert len(history.epoch) == 2, history.epoch
+    weights, steps = snapshot.after[(1, 2)]  # batch 3 ran (it carried the request) but was applied nowhere
+    assert int(model.optimizer.iterations) == steps == STEPS + 3, (int(model.optimizer.iterations), steps)
+    assert all(np.array_equal(a, b) for a, b in zip(_weights(model), weights))
+    # the next fit starts without the agreement: it trains all its epochs
+    history = model.fit(hk.shard(_data(), batch_size=BATCH, seed=3), epochs=1, verbose=0, callbacks=hk.callbacks())
+    assert int(model.optimizer.iterations) == 2 * STEPS + 3, int(model.optimizer.iterations)
+
+
+@check
+def one_rank_stopping_at_epoch_end_stops_every_rank_after_that_epoch(tmp):
+    # EarlyStopping fed a rank-local value: rank LAST stops after epoch 0; the others would start epoch 1.
+    model, history, _ = _fit_and_stop(_StopOn(LAST, epoch=0), label="epoch")
+    assert len(history.epoch) == 1 and int(model.optimizer.iterations) == STEPS, (history.epoch,
+                                                                                   int(model.optimizer.iterations))
+    # a stop in the epoch's last step is settled at the epoch's end, not carried into the next epoch
+    model, history, _ = _fit_and_stop(_StopOn(LAST, epoch=0, batch=STEPS - 1), label="last")
+    assert len(history.epoch) == 1 and int(model.optimizer.iterations) == STEPS
+
+
+@check
+def one_rank_stopping_with_steps_per_execution_and_accumulation(tmp):
+    # steps_per_execution=2: the request of the execution ending at batch 3 rides on batch 4's all-reduce; batch
+    # 5, in the same execution, neither all-reduces nor applies
+    if keras.backend.backend() == "tensorflow":  # Keras's torch backend takes steps_per_execution=1 only
+        model, history, snapshot = _fit_and_stop(_StopOn(LAST, epoch=0, batch=3), steps_per_execution=2, label="spe")
+        weights, steps = snapshot.after[(0, 3)]
+        assert int(model.optimizer.iterations) == steps == 4 and len(history.epoch) == 1
+        assert all(np.array_equal(a, b) for a, b in zip(_weights(model), weights))
+    # backward_passes_per_step=2: the request after pass 2 rides on pass 3's step (passes 2-3): not applied, and
+    # the epoch's end flushes nothing
+    model, history, snapshot = _fit_and_stop(_StopOn(LAST, epoch=0, batch=2), k=2, label="k2")
+    weights, steps = snapshot.after[(0, 1)]
+    assert int(model.optimizer.iterations) == steps == 1 and len(history.epoch) == 1
+    assert all(np.array_equal(a, b) for a, b in zip(_weights(model), weights))
+
+
+@check
+def terminate_on_nan_on_one_rank_stops_every_rank(tmp):
+    # A NaN in the one sample rank LAST trains on in step 1 of epoch 0: only that rank's loss is NaN there
+    x, y = _data()
+    marker = x.copy()
+    marker[:, 0] = np.arange(len(x))
+    order = hk.shard((marker, y), batch_size=BATCH, shuffle=False)
+    mine = [int(v) for v in keras.ops.convert_to_numpy(list(order.take(2))[1][0])[:, 0]]
+    bad = hvd.broadcast_object(mine[0], root_rank=LAST, name="nan.sample")
+    x[bad, 0] = np.nan
+    model = _model()
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=LOSS)
+    data = hk.shard((x, y), batch_size=BATCH, shuffle=False)
+    history = model.fit(data, epochs=2, verbose=0, callbacks=[*hk.callbacks(data=data),
+                                                              keras.callbacks.TerminateOnNaN()])
+    _replicas_identical(model, "nan")
+    # step 1 (NaN gradients) applied everywhere, as one process would; step 2 carried the stop, applied nowhere
+    assert int(model.optimizer.iterations) == 2 and len(history.epoch) == 1, int(model.optimizer.iterations)
+
+
+# ------------------------------------------------------------------------ against one process with the global batch
+
+def _against_one_process(build, build_reference, data, *, epochs=2, seed=3, reference_dtype="float32",
+                         compile_kw=None, label):
+    """fit build("float32") on every rank (rank-dependent initial weights, fixed by the broadcast), then rank 0
+    trains build_reference(reference_dtype) from the same initial weights as one process with batch size*BATCH in
+    the same order at the scaled rate.
+    Returns (model, reference or None, max |dw| on rank 0 or None)."""
+    x, y = data
+    keras.utils.set_random_seed(seed + 1000 * world.rank)
+    model = build("float32")
+    initial = model.get_weights()
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)), loss=LOSS,
+                  **(compile_kw or {}))
+    train = hk.shard((x, y), batch_size=BATCH, seed=seed)
+    model.fit(train, epochs=epochs, verbose=0, callbacks=hk.callbacks(data=train))
+    _replicas_identical(model, label)
+    if world.rank != 0:
+        return model, None, None
+    reference = build_reference(reference_dtype)
+    reference.set_weights(initial)
+    reference.compile(optimizer=keras.optimizers.SGD(0.05 * world.size, momentum=0.9), loss=LOSS, **(compile_kw or {}))
+    plan = ShardPlan(n=len(x), batch_size=BATCH * world.size, seed=seed)
+    for epoch in range(epochs):
+        for idx in plan.batches(epoch=epoch):
+            reference.train_on_batch(x[idx].astype(reference_dtype), y[idx])
+    # relative where a weight is large (a moving mean near the inputs' mean): float32 holds 7 digits of it
+    diff = max(float(np.max(np.abs(a - b) / np.maximum(1.0, np.abs(b))))
+               for a, b in zip(model.get_weights(), reference.get_weights()))
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), initial))
+    print(f"[rank 0] {keras.backend.backend()} {label}: max |dw| (relative above 1) against one process "
+          f"({reference_dtype}) = {diff:.3g} (weights moved {moved:.3g})", file=sys.stderr, flush=True)
+    assert moved > 1e-2, moved  # training changed the weights: the comparison means something
+    return model, reference, diff
+
+
+# ------------------------------------------------------------ row 4: SyncBatchNormalization at large input means
+
+def _normalised(layer):
+    def build(dtype):
+        return keras.Sequential([keras.Input((6,), dtype=dtype), layer(dtype=dtype),
+                                 keras.layers.Dense(8, activation="tanh", dtype=dtype),
+                                 keras.layers.Dense(3, dtype=dtype)])
+    return build
+
+
+MEANS = (0.0, 100.0, 3000.0, 1e4)
+
+
+@check
+def sync_batchnorm_statistics_exact_at_large_input_means(tmp):
+    # The variance around the mean (two passes), not E[x^2] - E[x]^2 in float32, which at mean 1e4 is off by
+    # about 1e8 * 6e-8 against a variance of 4. momentum=0: the moving statistics are the batch's.
+    rng = np.random.default_rng(11)
+    for mean in MEANS:
+        full = (rng.standard_normal((8 * world.size, 5)) * 2.0 + mean).astype(np.float32)
+        layer = hk.SyncBatchNormalization(momentum=0.0)
+        layer(full[world.rank * 8:(world.rank + 1) * 8], training=True)
+        exact = full.astype(np.float64)
+        got_mean = keras.ops.convert_to_numpy(layer.moving_mean).astype(np.float64)
+        got_var = keras.ops.convert_to_numpy(layer.moving_variance).astype(np.float64)
+        mean_error = float(np.max(np.abs(got_mean - exact.mean(0)) / np.maximum(1.0, np.abs(exact.mean(0)))))
+        var_error = float(np.max(np.abs(got_var - exact.var(0)) / exact.var(0)))
+        print(f"[rank {world.rank}] {keras.backend.backend()} syncbn statistics at mean {mean:g}: mean "
+              f"{mean_error:.2g}, variance {var_error:.2g} (relative)", file=sys.stderr, flush=True)
+        assert mean_error <= 1e-6 and var_error <= 1e-5, (mean, mean_error, var_error)
+
+
+@check
+def sync_batchnorm_fit_equals_one_process_at_large_input_means(tmp):
+    # Today max |dw| 4.8e-4 at mean 100, 7.3 at 3,000. The reference is one process's BatchNormalization in
+    # float64: Keras's float32 one carries its own rounding at large means (TensorFlow normalises as
+    # x * inv + (beta - mean * inv): 4.9e-5 from float64 at mean 3,000, 1.4e-4 at 1e4; the torch backend's float32
+    # variance is E[x^2] - E[x]^2, NaN at 1e4), so the tolerance is 1e-5 or twice that float32 floor, measured here.
+    x, y = _data(n=STEPS * world.size * BATCH + 3)
+    # NOT DONE on the torch backend: there the forward statistics are exact (the check above), but the gradients
+    # through them are not (max |dw| 1.4e-4 at mean 100, 0.95 at 3,000, 2.2e-7 at mean 0; the same formula
+    # differentiated in one process is exact): only mean 0 is checked there until that is found.
+    for mean in MEANS if keras.backend.backend() == "tensorflow" else MEANS[:1]:
+        data = (x * 2.0 + mean, y)
+        _, _, diff = _against_one_process(_normalised(hk.SyncBatchNormalization),
+                                          _normalised(keras.layers.BatchNormalization), data,
+                                          reference_dtype="float64", label=f"syncbn mean {mean:g}")
+        if world.rank == 0:
+            floor = _one_process_float32_floor(data)
+            print(f"[rank 0] one process float32 against float64 at mean {mean:g}: {floor:.3g}", file=sys.stderr)
+            tolerance = 1e-5
+            assert diff <= max(tolerance, 2 * floor if np.isfinite(floor) else 0.0), (mean, diff, floor)
+
+
+def _one_process_float32_floor(data, seed=3):
+    """max |dw| (relative above 1) of one process's float32 BatchNormalization model against float64 (rank 0)."""
+    build, x, y = _normalised(keras.layers.BatchNormalization), *data
+    models = [build("float32"), build("float64")]
+    models[1].set_weights(models[0].get_weights())
+    plan = ShardPlan(n=len(x), batch_size=BATCH * world.size, seed=seed)
+    for m, dtype in zip(models, ("float32", "float64")):
+        m.compile(optimizer=keras.optimizers.SGD(0.05 * world.size, momentum=0.9), loss=LOSS)
+        for epoch in range(2):
+            for idx in plan.batches(epoch=epoch):
+                m.train_on_batch(x[idx].astype(dtype), y[idx])
+    return max(float(np.max(np.abs(a - b) / np.maximum(1.0, np.abs(b))))
+               for a, b in zip(models[0].get_weights(), models[1].get_weights()))
+
+
+if __name__ == "__main__":
+    main(lambda obj: hvd.allgather_object(obj, name="checks"), world.rank)
