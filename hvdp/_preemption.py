@@ -76,6 +76,14 @@ def enabled() -> bool:
     return _settings is not None
 
 
+def worker_ignores() -> tuple[str, ...]:
+    """The signals a rank's data-loading workers ignore while preemption handling is on: the stop signals and
+    SIGINT (a scheduler's preemption or `scontrol requeue` signals every process of the job step, workers
+    included; a worker killed by it fails the rank's next batch, and no checkpoint is written). The workers
+    follow their rank's life and are stopped by it. () when preemption is off."""
+    return tuple(dict.fromkeys((*_settings.signals, "SIGINT"))) if _settings is not None else ()
+
+
 def received() -> str | None:
     """The first stop signal this rank got ("SIGTERM"...), or None."""
     return _received[0] if _received else None

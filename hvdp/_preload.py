@@ -19,6 +19,9 @@ def _preload() -> None:
         spec = json.loads(os.environ.get("HVDP_FORKSERVER_PRELOAD", "{}"))
     except ValueError:
         return
+    if spec.get("ignore_signals"):  # preemption is on: the forkserver and the workers it forks outlive the signal
+        from hvdp._workers import ignore_stop_signals
+        ignore_stop_signals(tuple(spec["ignore_signals"]))
     for name in spec.get("modules", []):
         try:
             __import__(name)

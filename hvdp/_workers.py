@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.context
 import os
 import sys
 import sysconfig
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -76,44 +78,141 @@ def note_init_site(call: str) -> None:
         _init_site = (where, f"{call} is called")
 
 
-def script_problem(call: str, method: str) -> str | None:
-    """The error for starting worker processes with `method` now, or None: the script started Horovod at its
-    unguarded top level, or is making this call there (each worker would do it again).
+def script_problem(call: str, method: str, needed: list[str] | None = None) -> str | None:
+    """The error for starting worker processes that import the script with `method` now, or None: the script
+    started Horovod at its unguarded top level, or is making this call there (each worker would do it again).
 
     Args:
         call: what starts the workers, e.g. "shard(num_workers=2)".
         method: the start method ("forkserver" or "spawn"; "fork" never imports the script).
+        needed: what the workers need from the script (why they import it), for the message.
     """
     if method == "fork":
         return None
     if _init_site is not None:
-        return guard_message(call, _init_site[0], _init_site[1], method)
+        return guard_message(call, _init_site[0], _init_site[1], method, needed)
     where = _unguarded_site()
-    return guard_message(call, where, f"{call.split('(')[0]}() is called", method) if where else None
+    return guard_message(call, where, f"{call.split('(')[0]}() is called", method, needed) if where else None
 
 
-def worker_context():
+def worker_context(main: bool = True):
     """The multiprocessing context for data-loading workers: forkserver, or spawn where there is none
-    (hvdp.core.workers.start_method). Give a forkserver its preload with preload_forkserver()."""
-    return multiprocessing.get_context(start_method(multiprocessing.get_all_start_methods()))
+    (hvdp.core.workers.start_method). Give a forkserver its preload with preload_forkserver().
+
+    Args:
+        main: whether the workers import the script (module `__main__`) as they start, as multiprocessing's
+            own contexts always have them do. False (nothing sent to them is defined there) gives a context
+            whose workers do not: they start from a `python -`, `python -c`, a notebook kernel, or a script
+            without a main guard, none of which a worker can (or may) import.
+    """
+    method = start_method(multiprocessing.get_all_start_methods())
+    if main:
+        return multiprocessing.get_context(method)
+    return _NoMainForkServerContext() if method == "forkserver" else _NoMainSpawnContext()
 
 
-def preload_forkserver(modules: list[str]) -> None:
-    """Have this rank's forkserver, when it starts, import `modules` and the script (as `__mp_main__`, as
-    each worker otherwise would: Python 3.11's forkserver never preloads the script, its key for it is
-    misspelt), so that each worker forked from it starts in milliseconds instead of importing torch again
-    (seconds). A no-op once the forkserver runs."""
+_launching = threading.local()  # .without_main: this thread is starting a worker that must not import __main__
+
+
+def _without_main(get_preparation_data):
+    """multiprocessing.spawn.get_preparation_data, less the keys that make the new process import the parent's
+    `__main__` ("init_main_from_path", "init_main_from_name") while this thread starts a no-main worker.
+    Installed once; any other process start (another thread's, any other context's) gets the data unchanged."""
+    def get_without_main(name):
+        data = get_preparation_data(name)
+        if getattr(_launching, "without_main", False):
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+        return data
+    get_without_main.hvdp_without_main = True
+    return get_without_main
+
+
+def _launch_without_main(popen_class):
+    """A Popen class (popen_forkserver's, popen_spawn_posix's) whose child does not import `__main__`: the
+    start pickles the same preparation data, less that."""
+    from multiprocessing import spawn
+
+    if not getattr(spawn.get_preparation_data, "hvdp_without_main", False):
+        spawn.get_preparation_data = _without_main(spawn.get_preparation_data)
+
+    class Popen(popen_class):
+        def _launch(self, process_obj):
+            _launching.without_main = True
+            try:
+                super()._launch(process_obj)
+            finally:
+                _launching.without_main = False
+    return Popen
+
+
+class _NoMainForkServerProcess(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        from multiprocessing import popen_forkserver
+        return _launch_without_main(popen_forkserver.Popen)(process_obj)
+
+
+class _NoMainForkServerContext(multiprocessing.context.ForkServerContext):
+    """multiprocessing's forkserver context, whose processes do not import the parent's `__main__`."""
+    Process = _NoMainForkServerProcess
+
+
+class _NoMainSpawnProcess(multiprocessing.context.SpawnProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        from multiprocessing import popen_spawn_posix
+        return _launch_without_main(popen_spawn_posix.Popen)(process_obj)
+
+
+class _NoMainSpawnContext(multiprocessing.context.SpawnContext):
+    """multiprocessing's spawn context (POSIX), whose processes do not import the parent's `__main__`."""
+    Process = _NoMainSpawnProcess
+
+
+def preload_forkserver(modules: list[str], *, main: bool = True, ignore_signals: tuple[str, ...] = ()) -> None:
+    """Have this rank's forkserver, when it starts, import `modules` and, when `main`, the script (as
+    `__mp_main__`, as each worker otherwise would: Python 3.11's forkserver never preloads the script, its key
+    for it is misspelt), so that each worker forked from it starts in milliseconds instead of importing torch
+    again (seconds). A no-op once the forkserver runs.
+
+    Args:
+        modules: what to import there.
+        main: whether to import the script there too (False: nothing the workers receive is defined in it, and
+            the script may be unimportable or unguarded).
+        ignore_signals: signal names the forkserver ignores from its start, and so every worker it forks
+            ("SIGTERM"...: preemption is on, and a scheduler signals every process of the job).
+    """
     from multiprocessing import forkserver, spawn
 
     server = forkserver._forkserver
     if getattr(server, "_forkserver_pid", None) is not None:
         return
-    data = spawn.get_preparation_data("hvdp-preload")  # how a worker would find the script (none: interactive)
-    spec = {"modules": list(modules), **{k: data[k] for k in ("init_main_from_path", "init_main_from_name") if k in data}}
+    spec = {"modules": list(modules), "ignore_signals": list(ignore_signals)}
+    if main:
+        data = spawn.get_preparation_data("hvdp-preload")  # how a worker would find the script (none: interactive)
+        spec.update({k: data[k] for k in ("init_main_from_path", "init_main_from_name") if k in data})
     os.environ[PRELOAD_ENV] = json.dumps(spec)
     current = list(getattr(server, "_preload_modules", None) or ["__main__"])
     if "hvdp._preload" not in current:
         multiprocessing.set_forkserver_preload(current + ["hvdp._preload"])
+
+
+def ignore_stop_signals(names: tuple[str, ...]) -> None:
+    """Ignore the signals `names` ("SIGTERM", "SIGUSR1", "SIGINT") in this process (a data-loading worker, its
+    forkserver) and restore the default action of the other stop signals: a worker lives as long as its rank
+    (follow()) and is stopped by it, so a scheduler's signal to every process of the job reaches the rank,
+    which checkpoints at the step the ranks agree on, instead of killing the worker under it."""
+    import signal
+
+    for name in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"):
+        sig = getattr(signal, name, None)
+        if sig is None:
+            continue
+        if name in names:
+            signal.signal(sig, signal.SIG_IGN)
+        elif name != "SIGINT" and signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
 
 
 def follow(pid: int) -> None:

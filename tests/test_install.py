@@ -93,6 +93,7 @@ def fake_env(monkeypatch, tmp_path):
         for var in ("HOROVOD_CUDA_HOME", "CUDA_HOME", "CUDA_PATH", "HOROVOD_NCCL_HOME", "NCCL_HOME"):
             monkeypatch.delenv(var, raising=False)
         monkeypatch.setattr(build_horovod, "_which", lambda name, _bindir: shutil.which(name, path=str(bindir)))
+        monkeypatch.setattr(build_horovod, "DEFAULT_CUDA_HOME", tmp_path / "no-usr-local-cuda")
     return set_env
 
 
@@ -131,21 +132,96 @@ def test_plan_with_a_cuda_torch_and_no_toolkit_says_what_is_missing(fake_env):
     assert build_horovod.make_plan(cpu_only=True).problems == []
 
 
-def test_plan_with_a_cuda_torch_and_pips_toolkit_builds_nccl(fake_env, monkeypatch, tmp_path):
-    # make setup-cuda's stack: cuda-toolkit[nvcc,...] and nvidia-nccl-cu13 from pip, in site-packages/nvidia.
+@pytest.mark.parametrize("missing", [None, "include/cccl/nv/target"])
+def test_plan_with_a_cuda_torch_and_pips_toolkit_builds_nccl(fake_env, monkeypatch, tmp_path, missing):
+    # make setup-cuda's stack: cuda-toolkit[nvcc,...] and nvidia-nccl-cu13 from pip, in site-packages/nvidia;
+    # its runtime has only libcudart.so.13 (cuda_layout links libcudart.so before the build).
     site = tmp_path / "site-packages"
-    for f in ("nvidia/cu13/bin/nvcc", "nvidia/nccl/include/nccl.h"):
-        (site / f).parent.mkdir(parents=True)
-        (site / f).write_text("")
-    (site / "nvidia/cu13/bin/nvcc").chmod(0o755)
+    home = _toolkit(site / "nvidia/cu13", leave_out="lib64/libcudart.so")
+    for gone in filter(None, [missing]):
+        (home / gone).unlink()
+    (home / "lib").mkdir(exist_ok=True)
+    (home / "lib/libcudart.so.13").write_text("")
+    (site / "nvidia/nccl/include").mkdir(parents=True)
+    (site / "nvidia/nccl/include/nccl.h").write_text("")
     fake_env(cuda="13.0")
     monkeypatch.setattr(build_horovod, "_site_packages", lambda: [site])
     plan = build_horovod.make_plan()
+    if missing:  # the file, and the pip command that brings it
+        [problem] = plan.problems
+        assert str(home / missing) in problem and "-m pip install 'nvidia-cuda-cccl==13.0.*'" in problem, problem
+        return
     assert plan.problems == [] and plan.gpu == "NCCL" and plan.pip_cuda
     assert plan.env["HOROVOD_GPU_OPERATIONS"] == "NCCL"
     assert plan.env["HOROVOD_CUDA_HOME"] == str(site / "nvidia/cu13")
     assert plan.env["HOROVOD_NCCL_HOME"] == str(site / "nvidia/nccl")
     assert plan.env["PATH"].startswith(str(site / "nvidia/cu13/bin"))
+
+
+def _toolkit(root: Path, version: int = 13000, leave_out: str = "") -> Path:
+    """A CUDA toolkit's layout as a GPU server has it (lib64 -> lib, a real nvcc that reports its TOP as
+    `nvcc --dryrun` does), every piece of TOOLKIT_PIECES but `leave_out`, CUDART_VERSION `version`."""
+    for _what, (first, *_), _package in build_horovod.TOOLKIT_PIECES:
+        if first != leave_out:
+            (root / first).parent.mkdir(parents=True, exist_ok=True)
+            (root / first).write_text("")
+    (root / "include" / "cuda_runtime_api.h").write_text(f"#define CUDART_VERSION {version}\n")
+    if leave_out != "bin/nvcc":
+        (root / "bin" / "nvcc").write_text(f'#!/bin/sh\necho "#$ _HERE_={root}/bin"\necho "#$ TOP={root}/bin/.."\n')
+        (root / "bin" / "nvcc").chmod(0o755)
+    return root
+
+
+@pytest.fixture
+def cuda_server(fake_env, monkeypatch, tmp_path):
+    """A CUDA torch, NCCL from pip (HOROVOD_NCCL_HOME here), and no toolkit until the test lays one out."""
+    nccl = tmp_path / "nccl"
+    (nccl / "include").mkdir(parents=True)
+    (nccl / "include" / "nccl.h").write_text("")
+    fake_env(cuda="13.0")
+    monkeypatch.setattr(build_horovod, "_site_packages", lambda: [tmp_path / "empty-site-packages"])
+    monkeypatch.setenv("HOROVOD_NCCL_HOME", str(nccl))
+    return tmp_path
+
+
+def test_plan_finds_the_toolkit_behind_a_wrapper_nvcc_on_path(cuda_server):
+    # issue 46: /usr/local/bin/nvcc was a script exec'ing /usr/local/cuda-13.0/bin/nvcc, and the plan took
+    # /usr/local for the toolkit: Horovod's CMake then failed with `Could NOT find CUDAToolkit (missing:
+    # CUDAToolkit_INCLUDE_DIR CUDA_CUDART)`.
+    home = _toolkit(cuda_server / "cuda-13.0")
+    wrapper = cuda_server / "bin" / "nvcc"
+    wrapper.write_text(f'#!/bin/sh\nexec {home}/bin/nvcc "$@"\n')
+    wrapper.chmod(0o755)
+    plan = build_horovod.make_plan()
+    assert plan.problems == [] and plan.gpu == "NCCL", plan.problems
+    assert plan.env["HOROVOD_CUDA_HOME"] == plan.env["CUDA_HOME"] == str(home.resolve())
+
+
+def test_plan_takes_usr_local_cuda_and_cuda_home_elsewhere(cuda_server, monkeypatch):
+    default = _toolkit(cuda_server / "usr-local-cuda")
+    monkeypatch.setattr(build_horovod, "DEFAULT_CUDA_HOME", default)
+    plan = build_horovod.make_plan()  # no nvcc on PATH, nothing set: torch's default place
+    assert plan.problems == [] and plan.env["HOROVOD_CUDA_HOME"] == str(default), plan.problems
+    elsewhere = _toolkit(cuda_server / "opt" / "cuda")
+    monkeypatch.setenv("CUDA_HOME", str(elsewhere))
+    plan = build_horovod.make_plan()
+    assert plan.problems == [] and plan.env["HOROVOD_CUDA_HOME"] == str(elsewhere), plan.problems
+
+
+@pytest.mark.parametrize("missing", ["lib64/libcudart.so", "include/cuda_runtime.h", "include/cccl/nv/target",
+                                     "lib64/libcudadevrt.a", "nvvm/bin/cicc", "bin/nvcc"])
+def test_plan_names_the_missing_toolkit_file_and_the_fix(cuda_server, monkeypatch, missing):
+    home = _toolkit(cuda_server / "cuda", leave_out=missing)
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    problems = build_horovod.make_plan().problems
+    assert len(problems) == 1 and str(home / missing) in problems[0], problems
+    assert "point CUDA_HOME at a complete CUDA 13 toolkit" in problems[0] and "--cpu-only" in problems[0], problems
+
+
+def test_plan_refuses_a_toolkit_of_another_cuda_than_torchs(cuda_server, monkeypatch):
+    monkeypatch.setenv("CUDA_HOME", str(_toolkit(cuda_server / "cuda-12.4", version=12040)))
+    [problem] = build_horovod.make_plan().problems
+    assert "is CUDA 12.4, but torch is a CUDA 13.0 build" in problem, problem
 
 
 def test_the_command_stops_before_building_when_a_tool_is_missing(fake_env, capsys):

@@ -15,6 +15,7 @@ the script's top level must not start training (an `if __name__ == "__main__":` 
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import sys
 from typing import Any, Callable
@@ -51,27 +52,26 @@ class _Sink(io.RawIOBase):
         return memoryview(b).nbytes
 
 
-def unpicklable(obj: Any, *, skip: Callable[[Any], bool] = lambda o: False,
-                pickler: type = pickle.Pickler, interactive: bool | None = None) -> str | None:
-    """Why `obj` cannot be sent to a worker process that a safe start method starts, or None when it can.
+def main_importable(main: Any) -> bool:
+    """Whether a worker process can import the module `main` (sys.modules["__main__"]) to find what is defined
+    there: a script file (`python train.py`) or a module (`python -m pkg.train`); not the REPL, `python -c`,
+    `python - < train.py` (its __file__ is "<stdin>") nor a notebook kernel."""
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return True
+    path = getattr(main, "__file__", None)
+    return isinstance(path, str) and os.path.isfile(path)
 
-    Pickles `obj` as the worker start will (with `pickler`, e.g. multiprocessing's ForkingPickler and the
-    reductions a framework registers on it) into a sink that keeps nothing. Objects for which `skip` is true
-    (large arrays and tensors, which pickle by value or through shared memory anyway) are not serialized.
 
-    Args:
-        obj: the object (a dataset, a collate_fn, a worker_init_fn, a transform).
-        skip: which objects not to serialize (default: none).
-        pickler: the Pickler class to use (default pickle.Pickler).
-        interactive: whether `__main__` has no file for a worker to import (the REPL, `python -c`, a
-            notebook); default None: decided from sys.modules["__main__"]. Then a class or function defined
-            there pickles by name but cannot be found by the worker.
+def probe(obj: Any, *, skip: Callable[[Any], bool] = lambda o: False,
+          pickler: type = pickle.Pickler) -> tuple[str | None, list[str]]:
+    """Pickle `obj` as a worker start will (with `pickler`, e.g. multiprocessing's ForkingPickler and the
+    reductions a framework registers on it) into a sink that keeps nothing; objects for which `skip` is true
+    (large arrays and tensors, which pickle by value or through shared memory) are not serialized.
 
     Returns:
-        None, or the reason: the pickling error, or the names defined in an interactive `__main__`.
+        (the pickling error or None, the classes and functions defined in module `__main__` that it refers
+        to: a worker must import the script to find them).
     """
-    if interactive is None:
-        interactive = getattr(sys.modules.get("__main__"), "__file__", None) is None
     from_main: list[str] = []
 
     class Probe(pickler):
@@ -79,19 +79,47 @@ def unpicklable(obj: Any, *, skip: Callable[[Any], bool] = lambda o: False,
             return id(o) if skip(o) else None
 
         def reducer_override(self, o):
-            if interactive and callable(o) and getattr(o, "__module__", None) == "__main__":
+            if callable(o) and getattr(o, "__module__", None) == "__main__":
                 from_main.append(getattr(o, "__qualname__", None) or type(o).__qualname__)
             return NotImplemented
 
     try:
         Probe(_Sink(), None).dump(obj)  # the protocol multiprocessing uses
     except Exception as e:  # noqa: BLE001 - whatever stops pickling stops the worker start
-        return f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {e}", sorted(set(from_main))
+    return None, sorted(set(from_main))
+
+
+def unpicklable(obj: Any, *, skip: Callable[[Any], bool] = lambda o: False,
+                pickler: type = pickle.Pickler, interactive: bool | None = None) -> str | None:
+    """Why `obj` cannot be sent to a worker process that a safe start method starts, or None when it can.
+
+    Args:
+        obj: the object (a dataset, a collate_fn, a worker_init_fn, a transform).
+        skip: which objects not to serialize (default: none); see probe().
+        pickler: the Pickler class to use (default pickle.Pickler).
+        interactive: whether `__main__` cannot be imported by a worker (the REPL, `python -c`, `python -`, a
+            notebook: not main_importable()); default None: decided from sys.modules["__main__"]. Then a class
+            or function defined there pickles by name but cannot be found by the worker.
+
+    Returns:
+        None, or the reason: the pickling error, or the names defined in an unimportable `__main__`.
+    """
+    if interactive is None:
+        interactive = not main_importable(sys.modules.get("__main__"))
+    why, from_main = probe(obj, skip=skip, pickler=pickler)
+    if why:
+        return why
     if interactive and from_main:
-        names = ", ".join(sorted(set(from_main)))
-        return (f"it uses {names}, defined in an interactive session (the REPL, `python -c` or a notebook), "
-                f"which a worker process cannot import")
+        return interactive_reason(from_main)
     return None
+
+
+def interactive_reason(names: list[str]) -> str:
+    """Why objects defined in an unimportable `__main__` (names) cannot reach a worker, and the fix."""
+    return (f"it uses {', '.join(names)}, defined in an interactive session (the REPL, `python -c`, `python -` or "
+            f"a notebook), which a worker process cannot import. Fix: move {', '.join(names)} into a module file "
+            f"(e.g. data.py beside the notebook or script) and import it from there")
 
 
 def unpicklable_message(call: str, what: str, obj: Any, why: str, method: str) -> str:
@@ -120,7 +148,7 @@ def guard_problem(source: str, line: int) -> bool:
     return unguarded(source, line)
 
 
-def guard_message(call: str, where: str, what: str, method: str) -> str:
+def guard_message(call: str, where: str, what: str, method: str, needed: list[str] | None = None) -> str:
     """The error for a script whose top level would start training again in every worker.
 
     Args:
@@ -128,11 +156,18 @@ def guard_message(call: str, where: str, what: str, method: str) -> str:
         where: "file:line" of the unguarded line.
         what: what that line does, e.g. "hvdp.torch.init() is called".
         method: the start method.
+        needed: the classes and functions defined in the script that the workers need (why they import it);
+            None: not known.
     """
-    return (f"{call} starts its DataLoader workers with multiprocessing's {method!r} method, and each worker "
-            f"imports your script (as module __mp_main__) to find what it was sent; but {what} at {where}, at the "
-            f"top level of the script, outside an `if __name__ == \"__main__\":` block, so every worker would "
-            f"run it again (Horovod and training inside each worker). Fix: {GUARD_FIX}; or pass num_workers=0")
+    why = (f"{', '.join(needed)} {'is' if len(needed) == 1 else 'are'} defined in your script, so each worker "
+           f"imports the script (as module __mp_main__) to find {'it' if len(needed) == 1 else 'them'}"
+           if needed else "each worker imports your script (as module __mp_main__) to find what it was sent")
+    move = (f"; or move {', '.join(needed)} into a module of its own and import it (then the workers never import "
+            f"the script)" if needed else "")
+    return (f"{call} starts its DataLoader workers with multiprocessing's {method!r} method, and {why}; but {what} "
+            f"at {where}, at the top level of the script, outside an `if __name__ == \"__main__\":` block, so "
+            f"every worker would run it again (Horovod and training inside each worker). Fix: {GUARD_FIX}{move}; "
+            f"or pass num_workers=0")
 
 
 def helper_message(call: str, where: str) -> str:
@@ -159,5 +194,6 @@ def fork_warning(origin: str, where: str | None) -> str:
             f"per rank.")
 
 
-__all__ = ["SAFE_METHODS", "GUARD_FIX", "start_method", "unpicklable", "unpicklable_message", "guard_problem",
+__all__ = ["SAFE_METHODS", "GUARD_FIX", "start_method", "main_importable", "probe", "unpicklable",
+           "interactive_reason", "unpicklable_message", "guard_problem",
            "guard_message", "helper_message", "fork_warning"]

@@ -10,7 +10,9 @@ same script, so both share its source fixes and its wheel cache (~/.cache/hvdp/w
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -83,15 +85,120 @@ def _pip_cuda13() -> bool:
     return any((sp / "nvidia" / "cu13" / "bin" / "nvcc").is_file() for sp in _site_packages())
 
 
-def _cuda_home(bindir: Path) -> Path | None:
-    for home in (os.environ.get("HOROVOD_CUDA_HOME"), os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
-        if home and (Path(home) / "bin" / "nvcc").is_file():
-            return Path(home)
+def _nvcc_top(nvcc: str) -> Path:
+    """The toolkit an `nvcc` found on PATH belongs to: the TOP its driver reports (`nvcc --dryrun` prints the
+    variables of its nvcc.profile). A GPU server's /usr/local/bin/nvcc or a module's wrapper is often a script
+    that execs the real one, so the directory above the file found (/usr/local) is not the toolkit; that was
+    issue 46's `Could NOT find CUDAToolkit (missing: CUDAToolkit_INCLUDE_DIR CUDA_CUDART)`."""
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+        for line in (out.stdout + out.stderr).splitlines():
+            if line.startswith("#$ TOP="):
+                return Path(line.split("=", 1)[1].strip()).resolve()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return Path(nvcc).resolve().parents[1]
+
+
+# Where a user points Horovod at a CUDA toolkit, in the order Horovod's and torch's builds read them.
+CUDA_HOME_VARS = ("HOROVOD_CUDA_HOME", "CUDA_HOME", "CUDA_PATH")
+DEFAULT_CUDA_HOME = Path("/usr/local/cuda")  # where torch.utils.cpp_extension also looks
+
+
+def _cuda_home(bindir: Path) -> tuple[Path | None, str]:
+    """(the CUDA toolkit to build with, how it was found), or (None, ""): the first of HOROVOD_CUDA_HOME,
+    CUDA_HOME and CUDA_PATH that is set (taken as the user's choice even when incomplete: the preflight then
+    says what it lacks), pip's toolkit in this env (site-packages/nvidia/cu13 with nvcc), the toolkit of the
+    nvcc on PATH, /usr/local/cuda."""
+    for var in CUDA_HOME_VARS:
+        if os.environ.get(var):
+            return Path(os.environ[var]), f"${var}"
     for sp in _site_packages():
         if (sp / "nvidia" / "cu13" / "bin" / "nvcc").is_file():
-            return sp / "nvidia" / "cu13"
+            return sp / "nvidia" / "cu13", "pip's nvidia-cuda-nvcc in this env"
     nvcc = _which("nvcc", bindir)
-    return Path(nvcc).resolve().parents[1] if nvcc else None
+    if nvcc:
+        return _nvcc_top(nvcc), f"the toolkit of {nvcc}"
+    if (DEFAULT_CUDA_HOME / "bin" / "nvcc").is_file():
+        return DEFAULT_CUDA_HOME, str(DEFAULT_CUDA_HOME)
+    return None, ""
+
+
+# What Horovod's NCCL build needs of a CUDA toolkit, as alternatives under its root, and the pip package
+# that brings each piece into a pip toolkit (site-packages/nvidia/cu13).
+TOOLKIT_PIECES = (
+    ("nvcc", ("bin/nvcc",), "nvidia-cuda-nvcc"),
+    ("cicc, nvcc's device compiler", ("nvvm/bin/cicc",), "nvidia-nvvm"),
+    ("crt/host_config.h", ("include/crt/host_config.h", "targets/*/include/crt/host_config.h"), "nvidia-cuda-crt"),
+    ("cuda_runtime.h", ("include/cuda_runtime.h", "targets/*/include/cuda_runtime.h"), "nvidia-cuda-runtime"),
+    ("nv/target (CCCL, for cuda_fp16.h)", ("include/cccl/nv/target", "include/nv/target",
+                                           "targets/*/include/cccl/nv/target", "targets/*/include/nv/target"),
+     "nvidia-cuda-cccl"),
+    ("libcudart.so", ("lib64/libcudart.so", "lib/libcudart.so", "targets/*/lib/libcudart.so"),
+     "nvidia-cuda-runtime"),
+    ("libcudart_static.a", ("lib64/libcudart_static.a", "lib/libcudart_static.a", "targets/*/lib/libcudart_static.a"),
+     "nvidia-cuda-runtime"),
+    ("libcudadevrt.a", ("lib64/libcudadevrt.a", "lib/libcudadevrt.a", "targets/*/lib/libcudadevrt.a"),
+     "nvidia-cuda-runtime"),
+)
+
+
+def toolkit_problems(home: Path, how: str, torch_cuda: str, pip: bool) -> list[str]:
+    """What the CUDA toolkit at `home` lacks for Horovod's NCCL build, each naming the missing file and the fix;
+    [] when it is complete and its CUDA major version is torch's.
+
+    Args:
+        home: the toolkit's root (the directory holding bin/nvcc).
+        how: how it was found (for the message: "$CUDA_HOME", "the toolkit of /usr/local/bin/nvcc").
+        torch_cuda: torch.version.cuda ("13.0").
+        pip: whether it is pip's toolkit in this env, whose missing pieces pip installs (and whose
+            libcudart.so link scripts/cuda_stack.sh's cuda_layout adds before the build).
+    """
+    major = torch_cuda.split(".")[0]
+    problems, packages = [], []
+    for what, alternatives, package in TOOLKIT_PIECES:
+        patterns = alternatives + (("lib/libcudart.so.*",) if pip and what == "libcudart.so" else ())
+        if any(glob.glob(str(home / pattern)) for pattern in patterns):
+            continue
+        if pip:
+            packages.append(package)
+            problems.append(f"the CUDA toolkit in {home} ({how}) has no {what} ({home / alternatives[0]})")
+        else:
+            problems.append(f"the CUDA toolkit in {home} ({how}) has no {what} ({home / alternatives[0]}): point "
+                            f"CUDA_HOME at a complete CUDA {major} toolkit (`module load cuda`, or the one in "
+                            f"/usr/local/cuda-{major}.x), or install this env's: {sys.executable} -m pip install "
+                            f"'cuda-toolkit[nvcc,crt,nvvm,cccl]=={torch_cuda}.*' and unset CUDA_HOME")
+    if packages:
+        pins = " ".join(f"'{p}=={torch_cuda}.*'" for p in dict.fromkeys(packages))
+        problems[-1] += f". Install the missing pieces: {sys.executable} -m pip install {pins}"
+    version = _toolkit_version(home)
+    if version and version.split(".")[0] != major:
+        problems.append(f"the CUDA toolkit in {home} ({how}) is CUDA {version}, but torch is a CUDA {torch_cuda} "
+                        f"build: point CUDA_HOME at a CUDA {major} toolkit, or pip install "
+                        f"'cuda-toolkit[nvcc,crt,nvvm,cccl]=={torch_cuda}.*'")
+    if pip:  # nvcc 13.0 with a newer crt or nvvm from an unpinned install fails to compile
+        versions = {d: _version(d) for d in ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm")}
+        found = {d: v for d, v in versions.items() if v}
+        if len({".".join(v.split(".")[:2]) for v in found.values()}) > 1:
+            nvcc = ".".join(found.get("nvidia-cuda-nvcc", next(iter(found.values()))).split(".")[:2])
+            problems.append("pip's CUDA compiler pieces differ in version (" + ", ".join(
+                f"{d} {v}" for d, v in found.items()) + f"): {sys.executable} -m pip install "
+                f"'nvidia-cuda-crt=={nvcc}.*' 'nvidia-nvvm=={nvcc}.*'")
+    return problems
+
+
+def _toolkit_version(home: Path) -> str | None:
+    """"13.0" from the toolkit's cuda_runtime_api.h (CUDART_VERSION 13000), or None."""
+    for header in [home / "include" / "cuda_runtime_api.h", *home.glob("targets/*/include/cuda_runtime_api.h")]:
+        try:
+            match = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", header.read_text(errors="replace"))
+        except OSError:
+            continue
+        if match:
+            number = int(match.group(1))
+            return f"{number // 1000}.{number % 1000 // 10}"
+    return None
 
 
 def _nccl_home() -> Path | None:
@@ -138,17 +245,20 @@ def make_plan(without_mpi: bool = False, cpu_only: bool = False) -> Plan:
     if plan.torch:
         plan.torch_cuda = _torch_cuda()
     if plan.torch_cuda and not cpu_only:
-        cuda, nccl = _cuda_home(bindir), _nccl_home()
+        (cuda, how), nccl = _cuda_home(bindir), _nccl_home()
         if cuda and nccl:
-            plan.gpu = "NCCL"
-            plan.pip_cuda = _pip_cuda13() and str(cuda).endswith("nvidia/cu13")
+            plan.pip_cuda = _pip_cuda13() and cuda.parts[-2:] == ("nvidia", "cu13")
+            incomplete = toolkit_problems(cuda, how, plan.torch_cuda, plan.pip_cuda)
+            plan.problems += [p + "; or pass --cpu-only to build without NCCL" for p in incomplete]
+            plan.gpu = None if incomplete else "NCCL"
             env.update(HOROVOD_GPU_OPERATIONS="NCCL", HOROVOD_CUDA_HOME=str(cuda), CUDA_HOME=str(cuda),
                        HOROVOD_NCCL_HOME=str(nccl))
             env["PATH"] = os.pathsep.join([str(cuda / "bin"), env["PATH"]])
-            plan.reasons.append(f"NCCL GPU operations: torch is a CUDA {plan.torch_cuda} build, nvcc in {cuda}, "
-                                f"NCCL in {nccl}")
+            plan.reasons.append(f"NCCL GPU operations: torch is a CUDA {plan.torch_cuda} build, the CUDA toolkit "
+                                f"in {cuda} ({how}), NCCL in {nccl}")
         else:
-            missing = ([] if cuda else ["a CUDA toolkit (nvcc: set CUDA_HOME, or `module load cuda`)"]) + \
+            missing = ([] if cuda else ["a CUDA toolkit (nvcc: set CUDA_HOME, `module load cuda`, or pip install "
+                                        f"'cuda-toolkit[nvcc,crt,nvvm,cccl]=={plan.torch_cuda}.*')"]) + \
                       ([] if nccl else ["NCCL (pip install nvidia-nccl-cu%s, or set HOROVOD_NCCL_HOME)"
                                         % plan.torch_cuda.split(".")[0]])
             plan.problems.append(f"torch {plan.torch} is a CUDA {plan.torch_cuda} build but " + " and ".join(missing)
@@ -162,7 +272,8 @@ def make_plan(without_mpi: bool = False, cpu_only: bool = False) -> Plan:
         plan.problems.append("no C++ compiler (g++): `module load gcc` on a cluster, conda install -c conda-forge "
                              "gxx_linux-64 in a conda env, or ask for g++ (apt-get install g++)")
     if not _which("cmake", bindir):
-        plan.problems.append(f"no cmake: {sys.executable} -m pip install cmake")
+        plan.problems.append(f"no cmake: {sys.executable} -m pip install cmake (or 'hvdp[build]', which brings "
+                             f"cmake, wheel and setuptools<82)")
     if not _which("make", bindir):
         plan.problems.append("no make: `module load make`, conda install -c conda-forge make, or apt-get install make")
     if not _which("patch", bindir):
@@ -176,7 +287,7 @@ def make_plan(without_mpi: bool = False, cpu_only: bool = False) -> Plan:
     need = [dist for dist in ("setuptools", "wheel") if not _version(dist)]
     if need:
         plan.problems.append(f"no {' and '.join(need)} in this env (Horovod builds without isolation, against "
-                             f"this env's frameworks): {sys.executable} -m pip install 'setuptools<82' wheel")
+                             f"this env's frameworks): {sys.executable} -m pip install 'setuptools<82' wheel (or 'hvdp[build]')")
     plan.env = env
     return plan
 
