@@ -113,12 +113,19 @@ apply_fixes() {
     patch -s -p1 -d "$1" < "$csrc/patches/gloo_loop_yield.patch"
     grep -q 'std::this_thread::yield();' "$1/third_party/gloo/gloo/transport/tcp/pair.cc" \
         || { echo "gloo loop yield patch failed" >&2; exit 1; }
-    # Fix 16: NCCL from pip (nvidia-nccl-cu13, torch's own dependency: what a GPU server's venv has) ships
+    # Fix 17: NCCL from pip (nvidia-nccl-cu13, torch's own dependency: what a GPU server's venv has) ships
     # lib/libnccl.so.2 and no libnccl.so, and FindNCCL looked only for libnccl_static.a and libnccl.so, so
     # the NCCL build failed on a complete toolkit (issue 46). It also takes the versioned name.
     sed -i 's/^\(            NAMES "nccl"\)$/\1 "libnccl.so.2"/' "$1/cmake/Modules/FindNCCL.cmake"
     grep -q '^            NAMES "nccl" "libnccl.so.2"$' "$1/cmake/Modules/FindNCCL.cmake" \
         || { echo "pip nccl patch failed" >&2; exit 1; }
+    # Fix 18: horovodrun asks whether Horovod has Gloo and MPI by loading each framework's extension in a child
+    # process, TensorFlow's first: a PyTorch-only job printed TensorFlow's oneDNN/absl banners (5 lines per
+    # launch) and paid its import, whenever TensorFlow was installed (issue 46). Try torch's first.
+    sed -i "s/^EXTENSIONS = \['tensorflow', 'torch', 'mxnet'\]$/EXTENSIONS = ['torch', 'tensorflow', 'mxnet']/" \
+        "$1/horovod/common/util.py"
+    grep -q "^EXTENSIONS = \['torch', 'tensorflow', 'mxnet'\]$" "$1/horovod/common/util.py" \
+        || { echo "extension order patch failed" >&2; exit 1; }
     # Addition (not a repair): hvdp's shared-memory allreduce for ranks on one host, tried before MPI's.
     # csrc/horovod/shm_operations.cc says how it works; it is off unless HVDP_SHM_ALLREDUCE=1.
     cp "$csrc/shm_operations.h" "$csrc/shm_operations.cc" "$1/horovod/common/ops/"

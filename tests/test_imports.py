@@ -22,3 +22,16 @@ def test_core_imports_nothing_of_the_frameworks():
         text = path.read_text()
         for mod in HEAVY:
             assert f"import {mod}" not in text and f"from {mod}" not in text, f"{path.name} imports {mod}"
+
+
+def test_a_pytorch_job_under_horovodrun_prints_no_tensorflow_banner(tmp_path):
+    # issue 46: horovodrun's gloo_built()/mpi_built() loaded horovod.tensorflow's extension first, in a child
+    # process, so TensorFlow's oneDNN/absl banner came with every PyTorch-only launch (build_horovod.sh fix 18).
+    from tests.launch import ROOT, env, launcher_cmd
+
+    code = "import sys, hvdp.torch as ht; ht.init(); print('tensorflow loaded:', 'tensorflow' in sys.modules)"
+    proc = subprocess.run(launcher_cmd("gloo") + ["-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env=env(), timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and out.count("tensorflow loaded: False") == 2, out[-3000:]
+    assert "oneDNN" not in out and "TensorFlow binary" not in out and "absl::" not in out, out[-3000:]
