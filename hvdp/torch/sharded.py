@@ -23,8 +23,10 @@ Its state_dict side (the unsharded layout, the streamed checkpoint) is hvdp.torc
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
+import os
 import weakref
 
 import torch
@@ -44,8 +46,43 @@ __all__ = ["BUCKET_BYTES", "ShardedOptimizer", "split"]
 # reduce-scatter starts earlier in the backward pass: on hvdp bench's GPT (10M parameters, AdamW, np=2, MPI),
 # 8 MiB buckets ran at 0.96x unsharded hvdp (median of 5 interleaved rounds), 32 MiB ones at 0.88x.
 BUCKET_BYTES = 8 * 2**20
+# During the backward pass, at most this many buckets' bytes of full flat gradients are held in reductions in flight
+# (Horovod keeps each op's input and output until it is synchronized): before a bucket starts, the reductions
+# already done are taken (their full copies freed), then, in a step whose order is agreed (_Flight), the oldest
+# until the new one fits. Without it every bucket's full copy lived until step(): after backward() a rank held
+# the whole gradient plus its shard (hvdp bench's GPT, 10M parameters, np=2: 57.5 MiB against 38.3 of .grad on
+# the allreduce path).
+IN_FLIGHT_BUCKETS = 2
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # every ShardedOptimizer, for _guarded_clip
+
+# glibc's mmap threshold, fixed by the first sharded prepare() (_fix_mmap_threshold); glibc's M_MMAP_THRESHOLD
+MMAP_THRESHOLD, _M_MMAP_THRESHOLD = 128 << 10, -3
+_mmap_fixed: list = []
+
+
+def _fix_mmap_threshold() -> bool:
+    """Fix glibc's mmap threshold at 128 KiB (its initial value), so that a freed buffer at least that large goes
+    back to the system at once, unless MALLOC_MMAP_THRESHOLD_ is set (the user's choice) or the C library is not
+    glibc. Once per process; returns whether it was set.
+
+    glibc raises its threshold to the size of each mmap-ed block freed (up to 32 MiB): after the first 8 MiB
+    bucket is freed, every tensor up to that size comes from malloc's heaps, which keep what is freed. The step's
+    transient buffers (flat buckets, gathered parameters, the optimizer's temporaries) then stay resident beside
+    the next ones: on hvdp bench's GPT (10M parameters, AdamW, np=2, MPI) the sharded run's peak RSS rose 273 MiB
+    above its level before prepare() with glibc's moving threshold, 172 MiB with it fixed (the allreduce path:
+    301 and 208). Each large tensor is then mmap-ed and faulted in anew; what that cost in throughput is in
+    docs/pytorch.md#sharded-optimizer-state-zero-12."""
+    if _mmap_fixed:
+        return _mmap_fixed[0]
+    done = False
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        try:
+            done = bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        except (OSError, AttributeError):  # no mallopt: not glibc
+            done = False
+    _mmap_fixed.append(done)
+    return done
 
 
 def _guarded_clip(clip):
@@ -57,7 +94,7 @@ def _guarded_clip(clip):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         ids = {id(p) for p in params}
         for opt in list(_LIVE):
-            reducing = opt._pending or opt._pending_owned or opt._synchronized
+            reducing = opt._started or opt._synchronized
             if reducing and any(i in opt._bucket_of or i in opt._owned_of for i in ids):
                 raise ConfigError("torch.nn.utils.clip_grad_norm_ on the model's parameters clips nothing with "
                                   "shard_optimizer_state=True: the averaged gradients are in the shards and the "
@@ -125,7 +162,12 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         self._buckets: list[_Bucket] = []
         self._owned: list[_Owned] = []
         self._stand_in = None  # a 0-element parameter for GradScaler on a rank that steps nothing (_stand_in_grad)
-        self._passes, self._counts, self._pending, self._pending_owned = schedule.passes, {}, {}, {}
+        self._passes, self._counts = schedule.passes, {}
+        # this step's reductions: every unit started (("b", bucket) or ("o", owned index)) -> its place in the
+        # backward pass's order (1, 2, ...; 0: started by synchronize()), and those not yet synchronized, in order
+        self._started: dict[tuple, int] = {}
+        self._flight: dict[tuple, tuple] = {}  # unit -> (handle, compression context, bytes held)
+        self._ordered = False  # the last step's order was every rank's (_agree): the backward pass may wait
         self._used: set[int] = set()  # the parameters that got a gradient on this rank in this step
         self._skipped: set[int] = set()  # those that got one on no rank (agreed in synchronize())
         self.hooks, self._hooked = [], set()
@@ -137,6 +179,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         self._ready = True
         _LIVE.add(self)
         _guard_clipping()
+        _fix_mmap_threshold()
         self._synchronized, self._consolidated = False, None
         # Overlap with the backward pass: a bucket's reduce-scatter (an owned parameter's all-reduce) starts as
         # soon as each of its parameters has accumulated its k-th gradient (Horovod's counting), and its full
@@ -194,7 +237,9 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
             param_groups[0]["params"].append(self._stand_in)
         self._bucket_of = {id(piece.param): i for i, b in enumerate(self._buckets) for piece in b.pieces}
         self._owned_of = {id(o.param): o for o in self._owned}
+        self._owned_at = {o.index: o for o in self._owned}
         self._missing = [len(b.pieces) for b in self._buckets]
+        self._ordered = False  # other units: the order is agreed anew
 
     def _hook(self, indices: list[int], late: bool) -> None:
         """Count the gradients of these parameters as they accumulate. `late`: they joined after prepare(),
@@ -289,8 +334,8 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
             self._hook(sorted(joined), late=True)
         self._build(self.param_groups, keep=False)
         self.state.clear()
-        self._pending.clear()
-        self._pending_owned.clear()
+        self._started.clear()
+        self._flight.clear()  # (the reset dropped Horovod's ops)
         self._counts.clear()
         self._used = set()
         self._synchronized, self._consolidated = False, None
@@ -330,36 +375,85 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
             elif id(param) in self._owned_of:
                 self._reduce_owned(self._owned_of[id(param)])
 
-    def _reduce(self, i: int) -> None:
-        """Start bucket i's reduce-scatter; free the model's full gradients it was copied from (ZeRO-2)."""
+    def _reduce(self, i: int, backward: bool = True) -> None:
+        """Start bucket i's reduce-scatter; free the model's full gradients it was copied from (ZeRO-2). In the
+        backward pass, first make room for its flat copy (_make_room)."""
         b = self._buckets[i]
         for piece in b.pieces:
             if piece.param.grad is not None:
                 self._used.add(piece.index)
+        if backward:
+            self._make_room(b.numel * b.dtype.itemsize)
         sent, ctx = self._compression.compress(self._flat(b, lambda p: p.grad, 0, b.numel))
         if self._gloo:  # in place, each rank keeping its slice in synchronize(): see __init__
             handle = hvd.allreduce_async_(sent, name=f"hvdp.zero.grad.{i}", op=self._op)
         else:
             handle = hvd.reducescatter_async(sent, name=f"hvdp.zero.grad.{i}", op=self._op)
-        self._pending[i] = (handle, ctx)
+        self._begin(("b", i), handle, ctx, sent.numel() * sent.element_size(), backward)
         for piece in b.pieces:
             piece.param.grad = None
 
-    def _reduce_owned(self, o: _Owned) -> None:
+    def _reduce_owned(self, o: _Owned, backward: bool = True) -> None:
         """Start the all-reduce of an owned parameter's gradient (its owner keeps the result)."""
         grad = o.param.grad
         if grad is not None:
             self._used.add(o.index)
+        if backward:
+            self._make_room(o.param.numel() * o.param.element_size())
         sent, ctx = self._compression.compress(torch.zeros_like(o.param) if grad is None else grad)
-        self._pending_owned[o.index] = (hvd.allreduce_async(sent, name=f"hvdp.zero.own.{o.index}", op=self._op), ctx)
+        handle = hvd.allreduce_async(sent, name=f"hvdp.zero.own.{o.index}", op=self._op)
+        self._begin(("o", o.index), handle, ctx, sent.numel() * sent.element_size(), backward)
         o.param.grad = None
+
+    def _begin(self, unit: tuple, handle, ctx, nbytes: int, backward: bool) -> None:
+        self._started[unit] = sum(1 for v in self._started.values() if v) + 1 if backward else 0
+        self._flight[unit] = (handle, ctx, nbytes)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Before a reduction of `nbytes` starts in the backward pass: take every reduction in flight that is done
+        (its full copy freed now, not at step()); then, if this step's order is every rank's (_ordered), wait for
+        the oldest until at most IN_FLIGHT_BUCKETS buckets' bytes are in flight with the new one.
+
+        Waiting in the backward pass is safe only when every rank starts the same reductions in the same order:
+        a rank waits for a reduction that every other rank has started, or will start before it waits itself.
+        Where the ranks' orders differ (a parameter used on some ranks only starts its bucket at synchronize()
+        there), rank A could wait for a bucket that rank B starts only at synchronize(), while B waits for one
+        that A starts only then: both hang. So _agree() checks the order each step (two numbers per unit in the
+        all-reduce it runs anyway) and a step waits only after a step whose order every rank shared."""
+        for unit, (handle, _, _) in list(self._flight.items()):
+            if hvd.poll(handle):
+                self._finish(unit)
+        if not self._ordered:
+            return
+        limit = IN_FLIGHT_BUCKETS * self._bucket_bytes
+        while self._flight and sum(n for _, _, n in self._flight.values()) + nbytes > limit:
+            self._finish(next(iter(self._flight)))
+
+    def _finish(self, unit: tuple) -> None:
+        """Synchronize a reduction in flight: a bucket's shard parameter gets its slice of the result, an owned
+        parameter's owner the whole; Horovod drops its input and output (the full flat copy)."""
+        handle, ctx, _ = self._flight.pop(unit)
+        reduced = hvd.synchronize(handle)
+        kind, key = unit
+        if kind == "b":
+            b = self._buckets[key]
+            if self._gloo:
+                start, length = b.slices[self._rank]
+                reduced = reduced[start:start + length].clone()  # the bucket's full copy is freed
+            b.shard.grad = self._compression.decompress(reduced, ctx).to(b.dtype)
+        else:
+            o = self._owned_at[key]
+            if o.owner == self._rank:
+                o.param.grad = self._compression.decompress(reduced, ctx).to(o.param.dtype).view_as(o.param)
+        del reduced
 
     def synchronize(self) -> None:
         """Finish this step's reductions: each bucket's shard parameter gets its slice of the average (or sum,
         op="sum") over the ranks, each owned parameter on its owner its whole average. Buckets (parameters) whose
-        gradients all came started during the backward pass; the others (a parameter without a gradient counts
-        as zeros, a last step of fewer than k passes) start here. The model's full gradients are freed (set to
-        None). A parameter that got a gradient on no rank is skipped by the step, as torch skips it (its
+        gradients all came started during the backward pass (and those done were taken there); the others (a
+        parameter without a gradient counts as zeros, a last step of fewer than k passes) start here, all before
+        any is waited for. The model's full gradients are freed (set to None). A parameter that got a gradient on
+        no rank is skipped by the step, as torch skips it (its
         gradient None; one of a flat bucket moves to the per-parameter layout). If the averaged gradients hold an
         inf/NaN in any rank's slice, every rank's shard gradients hold one afterwards, so that a GradScaler skips
         the step on every rank. Both agreements are one all-reduce of a flag per parameter. step() calls it when
@@ -373,28 +467,18 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
                 if self._counts.get(id(piece.param)) or piece.param.grad is not None:
                     self._used.add(piece.index)
         for i in range(len(self._buckets)):
-            if i not in self._pending:
-                self._reduce(i)
+            if ("b", i) not in self._started:
+                self._reduce(i, backward=False)
         for o in self._owned:
-            if o.index not in self._pending_owned and o.param.requires_grad:  # (frozen on every rank: no gradient)
-                self._reduce_owned(o)
-        for i, b in enumerate(self._buckets):
-            handle, ctx = self._pending.pop(i)
-            reduced = hvd.synchronize(handle)
-            if self._gloo:
-                start, length = b.slices[self._rank]
-                reduced = reduced[start:start + length].clone()  # the bucket's full copy is freed
-            b.shard.grad = self._compression.decompress(reduced, ctx).to(b.dtype)
+            if ("o", o.index) not in self._started and o.param.requires_grad:  # (frozen on every rank: no gradient)
+                self._reduce_owned(o, backward=False)
         for o in self._owned:
-            if o.index not in self._pending_owned:
+            if ("o", o.index) not in self._started:
                 o.param.grad = None
-                continue
-            handle, ctx = self._pending_owned.pop(o.index)
-            reduced = hvd.synchronize(handle)
-            if o.owner == self._rank:
-                o.param.grad = self._compression.decompress(reduced, ctx).to(o.param.dtype).view_as(o.param)
-            del reduced
+        while self._flight:
+            self._finish(next(iter(self._flight)))
         self._agree()
+        self._started.clear()
         self._counts.clear()
         self._used = set()
         self._missing = [len(b.pieces) for b in self._buckets]
@@ -431,11 +515,20 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         # for 5M floats on one CPU thread; on hvdp bench's GPT most of what the sharded step lost to hvdp's).
         local = bool(grads) and bool(torch.stack([torch.isfinite(torch.stack(torch.aminmax(g))).all()
                                                   for g in grads]).all().logical_not())
-        flags = torch.tensor([float(local)] + [float(i in self._used) for i in members], dtype=torch.float32)
+        # the order of this step's reductions: each unit's place p in this rank's backward pass (0: started by
+        # synchronize()), summed as p and p*p: every rank had the same p > 0 exactly when N * sum(p*p) equals
+        # sum(p)**2 (Cauchy-Schwarz) with sum(p) > 0; float64 holds these sums exactly
+        units = [("b", i) for i in range(len(self._buckets))] + [("o", o.index) for o in self._owned]
+        places = [float(self._started.get(u, 0)) for u in units]
+        flags = torch.tensor([float(local)] + [float(i in self._used) for i in members] + places
+                             + [p * p for p in places], dtype=torch.float64)
         if self._size > 1:
             flags = hvd.allreduce(flags, op=hvd.Sum, name="hvdp.zero.nonfinite")
         found = bool(flags[0] > 0)
-        unused = {i for i, f in zip(members, flags[1:].tolist()) if f == 0}
+        used = flags[1:1 + len(members)].tolist()
+        sums, squares = flags[1 + len(members):1 + len(members) + len(units)], flags[1 + len(members) + len(units):]
+        self._ordered = bool(units) and bool(((sums > 0) & (sums * sums == squares * self._size)).all())
+        unused = {i for i, f in zip(members, used) if f == 0}
         self._skipped = unused  # not stepped: nothing to broadcast after the step
         for o in self._owned:
             if o.index in unused:
@@ -649,7 +742,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
             ConfigError: a reduce-scatter started in the backward pass is still in flight (zero_grad() after
                 backward() but before step(): its gradients would be half discarded).
         """
-        if self._pending:
+        if self._started:
             raise ConfigError("zero_grad() was called after backward() and before step() or synchronize(): "
                               "call step() (or synchronize()) first", rank=self._rank)
         for params in self._groups:

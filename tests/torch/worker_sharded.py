@@ -292,6 +292,79 @@ def _overlaps(compiled):
     assert sorted(starts) == sorted(f"hvdp.zero.grad.{i}" for i in range(buckets)), starts
 
 
+def _held_gradient_bytes(model, opt) -> int:
+    """The bytes of every gradient tensor this rank holds now, each storage once: the model's .grad, the shards'
+    and what Horovod keeps for each op in flight (its handle map holds the input and the output until
+    synchronize())."""
+    from horovod.torch import mpi_ops
+
+    def tensors(x):
+        if torch.is_tensor(x):
+            yield x
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                yield from tensors(y)
+    held = [p.grad for p in model.parameters() if p.grad is not None]
+    held += [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    held += [t for v in mpi_ops._handle_map.values() for t in tensors(v)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held if t.numel()}.values())
+
+
+@check
+def gradients_after_backward_are_the_shard_and_two_buckets(tmp):
+    # ZeRO-2's memory: right after backward() a rank holds its shard of the averaged gradients plus at most
+    # IN_FLIGHT_BUCKETS buckets in flight (each its full flat copy and, under MPI, the reduce-scatter's output).
+    # Every bucket's flat copy stayed in Horovod's handle map until step(): the whole gradient plus the shard
+    # (here 8 one-layer buckets: 13,056 bytes at np=2 against a bound of 7,616). From the second step (the first
+    # agrees on the order of the reductions, sharded.py's _make_room). The run stays the allreduce path's.
+    layer = 16 * 16 * 4 + 16 * 4  # a Linear(16, 16): one bucket each
+
+    def run(shard):
+        torch.manual_seed(world.rank)
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+        sharded.BUCKET_BYTES = layer
+        try:
+            opt = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01), shard_optimizer_state=shard)
+        finally:
+            sharded.BUCKET_BYTES = DEFAULT_BUCKET
+        held = []
+        for t in range(4):
+            g = torch.Generator().manual_seed(t)
+            x, y = torch.randn(world.size, B, 16, generator=g), torch.randn(world.size, B, 16, generator=g)
+            opt.zero_grad()
+            F.mse_loss(model(x[world.rank]), y[world.rank]).backward()
+            held.append(_held_gradient_bytes(model, opt))
+            opt.step()
+        return model, opt, held
+    plain, _, _ = run(False)
+    model, opt, held = run(True)
+    assert len(opt._buckets) == 8 and all(b.numel * 4 == layer for b in opt._buckets), [b.numel for b in opt._buckets]
+    shard = 4 * sum(b.slices[world.rank][1] for b in opt._buckets)
+    bound = shard + sharded.IN_FLIGHT_BUCKETS * layer * (1 + 1 / world.size) + 4 * sharded.IN_FLIGHT_BUCKETS
+    assert max(held[1:]) <= bound, f"gradient bytes held after backward(), steps 1-4: {held}; bound {bound:.0f}"
+    _same_as_allreduce(_flat(model), _flat(plain), "sharded, 2 buckets in flight, vs the allreduce path")
+
+
+@check
+def freed_large_buffers_leave_the_process(tmp):
+    # glibc raises its mmap threshold to each freed mmap-ed block's size, so that a freed 8 MiB bucket stays in
+    # malloc's heap beside the next one; a sharded prepare() fixes the threshold (sharded._fix_mmap_threshold)
+    # and a freed 4 MiB tensor leaves the resident set at once. (Under MALLOC_MMAP_THRESHOLD_ it is the user's.)
+    torch.manual_seed(0)
+    small = nn.Linear(3, 2)
+    ht.prepare(small, torch.optim.SGD(small.parameters(), lr=0.1), shard_optimizer_state=True)
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    assert sharded._mmap_fixed == [True], sharded._mmap_fixed
+    drops = []
+    for _ in range(3):  # (the first free is the one that would raise glibc's threshold)
+        t = torch.ones(1 << 20)  # 4 MiB, touched
+        before = _rss_anon()
+        del t
+        drops.append(before - _rss_anon())
+    assert min(drops[1:]) >= 3 * MiB, f"RssAnon fell by {drops} bytes when a 4 MiB tensor was freed"
+
+
 @check
 def bf16_parameters_and_compile_compose(tmp):
     """bf16 parameters (bf16 buckets and optimizer state) and hvdp_torch.compile, each and together: the replicas
