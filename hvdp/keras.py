@@ -37,7 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdp import _keras_backend, _keras_stop, _preemption
+from hvdp import _keras_backend, _keras_rank0, _keras_stop, _preemption
 from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import ConfigError, HvdpError
 from hvdp.core.world import World
@@ -310,7 +310,13 @@ class DistributedCallback(keras.callbacks.Callback):
             model.make_train_function(force=True)
         if self.data is not None:  # the gradient weights group the optimizer's passes into steps
             self.data.hvdp_position.passes = getattr(optimizer, "backward_passes_per_step", 1)
-        self._agree_on_stop(optimizer)
+        # fit calls on_train_begin from its CallbackList (the caller's frame), whose list is changed in place;
+        # run any other way (a hand-made loop of callbacks) there is no list to see
+        fit_list = sys._getframe(1).f_locals.get("self")
+        fit_list = fit_list.callbacks if isinstance(fit_list, keras.callbacks.CallbackList) else None
+        if fit_list is not None:  # Keras's own writers given to fit directly: rank 0 only, or refused
+            _keras_rank0.wrap_in_fit(fit_list, self, hvd.rank())
+        self._agree_on_stop(optimizer, fit_list)
         self.resumed = (load_checkpoint(self.checkpoint_dir, model, optimizer, self.data)
                         if self.checkpoint_dir else None)
         if self.resumed is not None:
@@ -322,24 +328,20 @@ class DistributedCallback(keras.callbacks.Callback):
         elif self._broadcast_first:
             _keras_backend.broadcast(model, optimizer)  # builds the optimizer's state first: no fake step
 
-    def _agree_on_stop(self, optimizer) -> None:
+    def _agree_on_stop(self, optimizer, fit_list: list | None) -> None:
         """Make a `stop_training` set on one rank every rank's (hvdp/_keras_stop.py): the optimizer's gradient
-        all-reduce carries a StopFlag, and an AgreeOnStop goes last in fit's callbacks, after the user's. fit
-        calls on_train_begin from its CallbackList (the caller's frame), whose list is appended to; run any
-        other way (a hand-made loop of callbacks), there is no agreement and a rank's stop is its own."""
-        if _hvd().size() == 1 or not isinstance(optimizer, DistributedOptimizer):
-            return
-        caller = sys._getframe(2).f_locals.get("self")
-        if not isinstance(caller, keras.callbacks.CallbackList):
+        all-reduce carries a StopFlag, and an AgreeOnStop goes last in fit's callbacks `fit_list`, after the
+        user's. Without fit's list (a hand-made loop of callbacks) there is no agreement: a rank's stop is its own."""
+        if _hvd().size() == 1 or not isinstance(optimizer, DistributedOptimizer) or fit_list is None:
             return
         flag = getattr(optimizer, "_hvdp_stop", None)
         if flag is None:
             optimizer._hvdp_stop = flag = _keras_stop.StopFlag()
             self.model.make_train_function(force=True)  # a step traced before would not carry the flag
         flag.reset()
-        if not any(isinstance(c, _keras_stop.AgreeOnStop) for c in caller.callbacks):
-            caller.callbacks.append(_keras_stop.AgreeOnStop(flag))
-            caller.callbacks[-1].set_model(self.model)
+        if not any(isinstance(c, _keras_stop.AgreeOnStop) for c in fit_list):
+            fit_list.append(_keras_stop.AgreeOnStop(flag))
+            fit_list[-1].set_model(self.model)
 
     def on_train_end(self, logs=None):
         """Forget the resumed epoch, so that a later fit() starts from its own initial_epoch, and a stop the
@@ -415,7 +417,7 @@ def _discard_accumulated(optimizer) -> None:
 
 
 def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int = 3,
-              average_metrics: bool = True) -> list[keras.callbacks.Callback]:
+              average_metrics: bool = True, keras_callbacks: list | None = None) -> list[keras.callbacks.Callback]:
     """The callbacks to pass to model.fit, first in the list (later callbacks then see averaged metrics):
 
     - before the first step, broadcasts the model's weights and the optimizer's state from rank 0 (or
@@ -428,6 +430,11 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
       rank exits with 75 for a requeue; the rerun trains the rest of that epoch before fit's first epoch
       (the later callbacks see no on_epoch_end for it), then fit continues;
     - shows fit's progress bar (verbose=1 or 2) on rank 0 only;
+    - runs Keras's own file writers (ModelCheckpoint, BackupAndRestore, CSVLogger, TensorBoard) on rank 0
+      only, their model files written atomically (a temp file renamed into place), BackupAndRestore's restore
+      broadcast from rank 0: those in `keras_callbacks`, and ModelCheckpoint, BackupAndRestore and CSVLogger
+      given to fit after these callbacks (hvdp/_keras_rank0.py); one given to fit before them, or a TensorBoard
+      given to fit directly, is a ConfigError at fit's start on every rank (they have already run there);
     - makes a `model.stop_training = True` set by any callback on one rank every rank's, at the same step
       (hvdp/_keras_stop.py: carried by the next step's gradient all-reduce, or settled at the epoch's end).
 
@@ -441,9 +448,12 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
             needs `data`.
         keep: how many checkpoints to keep, an integer >= 1 (default 3).
         average_metrics: average the epoch's numeric logs over ranks (default True).
+        keras_callbacks: Keras callbacks to run after hvdp's, ModelCheckpoint, BackupAndRestore, CSVLogger and
+            TensorBoard among them on rank 0 only (default None).
 
     Returns:
-        [DistributedCallback, fit's progress bar silenced on ranks other than 0].
+        [DistributedCallback, the keras_callbacks (the writers wrapped), fit's progress bar silenced on ranks
+        other than 0].
 
     Raises:
         ConfigError: `checkpoint_dir` without `data`; `data` not from shard(); `keep` < 1.
@@ -452,7 +462,7 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
         raise ConfigError("callbacks(checkpoint_dir=...) needs data=<the dataset hvdp.keras.shard returned>: a "
                           "resumed fit must continue that dataset's epoch order, not restart it")
     return [DistributedCallback(data=data, checkpoint_dir=checkpoint_dir, keep=keep, average_metrics=average_metrics),
-            _RankZeroProgbar()]
+            *_keras_rank0.wrap(list(keras_callbacks or [])), _RankZeroProgbar()]
 
 
 # SyncBatchNormalization calls traced so far in each graph (a tf.function's trace): their all-reduces' names.

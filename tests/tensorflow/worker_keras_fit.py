@@ -164,6 +164,93 @@ def terminate_on_nan_on_one_rank_stops_every_rank(tmp):
     assert int(model.optimizer.iterations) == 2 and len(history.epoch) == 1, int(model.optimizer.iterations)
 
 
+# ------------------------------------------------------------- row 3: Keras's own checkpoint and logging callbacks
+
+SAVES = 20  # the issue's 20 runs per format, as 20 epochs of one fit
+
+
+def _count_saves(model):
+    """Wrap this rank's model.save / save_weights to count the calls (the path each was asked to write)."""
+    calls = {"save": [], "save_weights": []}
+    for name in calls:
+        original = getattr(model, name)
+
+        def counted(filepath, *args, _name=name, _original=original, **kwargs):
+            calls[_name].append(str(filepath))
+            return _original(filepath, *args, **kwargs)
+        object.__setattr__(model, name, counted)
+    return calls
+
+
+@check
+def keras_writers_write_from_rank_zero_atomically(tmp):
+    # Today every rank writes every file: a corrupt .keras now and then, BlockingIOError (HDF5's lock) on
+    # .weights.h5, CSV and event files written twice.
+    out = tmp / f"writers-{keras.backend.backend()}"
+    x, y = _data(n=2 * world.size * BATCH)
+    model = _model()
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=LOSS, metrics=["accuracy"])
+    calls = _count_saves(model)
+    data = hk.shard((x, y), batch_size=BATCH, seed=3)
+    through_hvdp = [keras.callbacks.ModelCheckpoint(str(out / "w.weights.h5"), save_weights_only=True),
+                    keras.callbacks.BackupAndRestore(str(out / "backup"), delete_checkpoint=False),
+                    keras.callbacks.TensorBoard(str(out / "tb"), write_graph=True)]
+    direct = [keras.callbacks.ModelCheckpoint(str(out / "m-{epoch:02d}.keras")),  # given to fit as users do
+              keras.callbacks.CSVLogger(str(out / "log.csv"))]
+    history = model.fit(data, epochs=SAVES, verbose=0,
+                        callbacks=[*hk.callbacks(data=data, keras_callbacks=through_hvdp), *direct])
+    _replicas_identical(model, "writers")
+    counts = hvd.allgather_object({k: len(v) for k, v in calls.items()}, name="writers.counts")
+    # rank 0 wrote each .keras once per epoch, each .weights.h5 (ModelCheckpoint's, BackupAndRestore's) too
+    assert counts[0] == {"save": SAVES, "save_weights": 2 * SAVES}, counts
+    assert all(c == {"save": 0, "save_weights": 0} for c in counts[1:]), counts
+    if world.rank == 0:
+        final = _weights(model)
+        for epoch in range(1, SAVES + 1):  # every file loads
+            loaded = keras.saving.load_model(out / f"m-{epoch:02d}.keras", compile=False)
+        assert all(np.array_equal(a, b) for a, b in zip(_weights(loaded), final))
+        for path in (out / "w.weights.h5", out / "backup" / "latest.weights.h5"):
+            other = _model(seed=1)
+            other.load_weights(path)
+            assert all(np.array_equal(a, b) for a, b in zip(_weights(other), final)), path
+        rows = (out / "log.csv").read_text().strip().splitlines()
+        assert len(rows) == SAVES + 1 and rows[0].startswith("epoch"), rows[:3]
+        events = list((out / "tb").rglob("events.out.tfevents.*"))
+        assert len(events) == 1 and events[0].parent.name == "train", events  # one writer: rank 0's
+        leftovers = [p for p in out.rglob("*") if ".hvdp-tmp-" in p.name]
+        assert not leftovers, leftovers
+    hvd.allgather_object(0, name="writers.read")  # the other ranks wait for rank 0's reading
+
+    # BackupAndRestore resumes every rank from rank 0's backup (rank-dependent initial weights: the broadcast
+    # of the restored state makes them equal): epochs SAVES, SAVES + 1 only
+    keras.utils.set_random_seed(world.rank)
+    again = _model(seed=world.rank)
+    again.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=LOSS)
+    data = hk.shard((x, y), batch_size=BATCH, seed=3)
+    history = again.fit(data, epochs=SAVES + 2, verbose=0, callbacks=hk.callbacks(
+        data=data, keras_callbacks=[keras.callbacks.BackupAndRestore(str(out / "backup"))]))
+    assert history.epoch == [SAVES, SAVES + 1], history.epoch
+    _replicas_identical(again, "restored")
+
+
+@check
+def keras_writers_before_hvdp_or_tensorboard_direct_refused_before_the_first_step(tmp):
+    data = hk.shard(_data(n=2 * world.size * BATCH), batch_size=BATCH)
+    for label, callbacks in (
+            ("before", [keras.callbacks.ModelCheckpoint(str(tmp / "before.keras")), *hk.callbacks(data=data)]),
+            ("tensorboard", [*hk.callbacks(data=data), keras.callbacks.TensorBoard(str(tmp / "tb-direct"))])):
+        model = _model()
+        model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=LOSS)
+        try:
+            model.fit(data, epochs=1, verbose=0, callbacks=callbacks)
+        except hk.HvdpError as e:
+            assert "keras_callbacks=[" in str(e), e
+        else:
+            raise AssertionError(f"{label}: not refused")
+        assert int(model.optimizer.iterations) == 0, label
+        assert not (tmp / "before.keras").exists()
+
+
 # ------------------------------------------------------------------------ against one process with the global batch
 
 def _against_one_process(build, build_reference, data, *, epochs=2, seed=3, reference_dtype="float32",
