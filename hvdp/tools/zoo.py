@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -55,7 +55,6 @@ class Case:
     before_step: Callable | None = None
     exercised: Callable | None = None  # (result) -> None, or why the run did not exercise what the case proves
     paths: tuple[str, ...] = ("allreduce", "sharded")
-    extra: dict = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------ the cases
@@ -309,34 +308,18 @@ def _torch_worker(steps: int, batch_size: int) -> int:
     world = ht.init()
     for case in torch_cases():
         for path in case.paths:
-            started = time.monotonic()
-            record = {"name": case.name, "framework": "torch", "path": path, "tolerance": TOLERANCE}
-            try:
+            def compute(case=case, path=path):
                 result = equivalence.compare_torch(
                     build=case.build, optimizer=case.optimizer, data=case.data, loss=case.loss, lr=case.lr,
                     steps=steps, batch_size=batch_size, accumulate=case.accumulate, seed=0,
                     shard=path == "sharded", sync_batchnorm=case.sync_batchnorm, before_step=case.before_step)
                 not_exercised = case.exercised(result) if case.exercised else None
-                ok = (result["max_abs_diff"] <= TOLERANCE and result["replicas_identical"]
-                      and not not_exercised)
-                record.update(max_abs_diff=result["max_abs_diff"], worst=result["worst"],
-                              replicas_identical=result["replicas_identical"], steps=result["steps"],
-                              ok=ok, causes=[] if ok else equivalence.explain(result),
-                              not_exercised=not_exercised)
-            except Exception as e:  # noqa: BLE001 - a case that raises on every rank is a FAIL; go on to the next
-                record.update(ok=False, error=_error(e))
-            record["seconds"] = round(time.monotonic() - started, 2)
-            if world.rank == 0:
-                print(RECORD + json.dumps(record, sort_keys=True), flush=True)
+                ok = result["max_abs_diff"] <= TOLERANCE and result["replicas_identical"] and not not_exercised
+                return {"max_abs_diff": result["max_abs_diff"], "worst": result["worst"], "ok": ok,
+                        "replicas_identical": result["replicas_identical"], "steps": result["steps"],
+                        "causes": [] if ok else equivalence.explain(result), "not_exercised": not_exercised}
+            _one(world.rank, {"name": case.name, "framework": "torch", "path": path}, compute)
     return 0
-
-
-def _error(e: BaseException) -> str:
-    """'Type: message (at file.py:line in function)': where it was raised, for the line and the report."""
-    import traceback
-    frames = traceback.extract_tb(e.__traceback__)
-    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    return f"{type(e).__name__}: {str(e)[:400]}{where}"
 
 
 def _keras_worker(steps: int, batch_size: int) -> int:
@@ -347,20 +330,36 @@ def _keras_worker(steps: int, batch_size: int) -> int:
     world = hk.init()
     backend = _keras_backend.name()
     for name, case in zoo_keras.CASES.items():
-        if not _applies(zoo_keras, name, backend):
-            continue
-        started = time.monotonic()
-        record = {"name": name, "framework": getattr(zoo_keras, "FRAMEWORKS", {}).get(name, "keras"), "path": backend,
-                  "tolerance": TOLERANCE}
-        try:
-            diff = float(case(steps=steps, batch_size=batch_size))
-            record.update(max_abs_diff=diff, ok=diff <= TOLERANCE)
-        except Exception as e:  # noqa: BLE001 - as for torch
-            record.update(ok=False, error=_error(e))
-        record["seconds"] = round(time.monotonic() - started, 2)
-        if world.rank == 0:
-            print(RECORD + json.dumps(record, sort_keys=True), flush=True)
+        if _applies(zoo_keras, name, backend):
+            def compute(case=case):
+                diff = float(case(steps=steps, batch_size=batch_size))
+                return {"max_abs_diff": diff, "ok": diff <= TOLERANCE}
+            framework = getattr(zoo_keras, "FRAMEWORKS", {}).get(name, "keras")
+            _one(world.rank, {"name": name, "framework": framework, "path": backend}, compute)
     return 0
+
+
+def _one(rank: int, record: dict, compute: Callable[[], dict]) -> None:
+    """Run one case on this rank: `record` updated with compute()'s fields (or the error it raised: a case that
+    raises on every rank is a FAIL, and the launch goes on to the next), printed on rank 0 as a line and a RECORD."""
+    started = time.monotonic()
+    record["tolerance"] = TOLERANCE
+    try:
+        record.update(compute())
+    except Exception as e:  # noqa: BLE001 - whatever the case raised, the zoo reports it and goes on
+        record.update(ok=False, error=_error(e))
+    record["seconds"] = round(time.monotonic() - started, 2)
+    if rank == 0:
+        print(format_line(record), flush=True)  # for a launch made by hand; the parent prints its own
+        print(RECORD + json.dumps(record, sort_keys=True), flush=True)
+
+
+def _error(e: BaseException) -> str:
+    """'Type: message (at file.py:line in function)': where it was raised, for the line and the report."""
+    import traceback
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(e).__name__}: {str(e)[:400]}{where}"
 
 
 def _applies(module, name: str, backend: str) -> bool:
@@ -384,8 +383,7 @@ def keras_zoo_present() -> bool:
 
 def keras_cases() -> dict[str, tuple[str, tuple[str, ...]]]:
     """{case name: (its framework, "keras" or "tensorflow"; the Keras backends it runs on)} of hvdp.tools.zoo_keras,
-    read from its source without importing it
-    (that would import Keras): CASES's string keys when it is a dict literal, else its `case_<name>` functions;
+    read from its source without importing it (that would import Keras): CASES's string keys when it is a dict literal, else its `case_<name>` functions;
     FRAMEWORKS and BACKENDS when they are literals (see _applies)."""
     import ast
     spec = importlib.util.find_spec("hvdp.tools.zoo_keras")
