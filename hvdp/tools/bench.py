@@ -97,6 +97,10 @@ def add_arguments(parser) -> None:
                              "sharded optimizer state and DDP's ZeroRedundancyOptimizer beside; torch only)")
     parser.add_argument("--skip-training", action="store_true",
                         help="measure the all-reduce bandwidth only (every impl, side by side, against memcpy)")
+    parser.add_argument("--memory-cap", type=int, metavar="MIB",
+                        help="instead of the rest: the largest GPT (width 512, AdamW) that trains at --np under this "
+                             "per-rank cap (RLIMIT_DATA), hvdp's allreduce path against its sharded optimizer state "
+                             "(bisection over layers, a whole job per probe: tens of minutes; not in make test)")
 
 
 def _bin(name: str) -> str:
@@ -372,6 +376,13 @@ def run(args) -> int:
                     PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS=str(args.threads),
                     KERAS_BACKEND="tensorflow")  # whatever the caller's says; keras-torch's jobs set torch
     raw_env = {k: v for k, v in base_env.items() if k not in RUNTIME_DEFAULTS}  # Horovod's own defaults
+    if args.memory_cap:  # issue 45: what sharding lets a user train under a fixed memory cap
+        cap = bench_sharded.memory_cap(args.memory_cap, args.np, lambda a: _launch(
+            "hvdp", args.np, "capped_worker.py", a, raw_env), raw_env)
+        bench_sharded.print_cap(cap)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"memory_cap": cap}, indent=1))
+        return 0
 
     report = {"date": datetime.date.today().isoformat(),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},

@@ -27,6 +27,7 @@ import ctypes
 import functools
 import math
 import os
+import time
 import weakref
 
 import torch
@@ -53,6 +54,8 @@ BUCKET_BYTES = 8 * 2**20
 # the whole gradient plus its shard (hvdp bench's GPT, 10M parameters, np=2: 57.5 MiB against 38.3 of .grad on
 # the allreduce path).
 IN_FLIGHT_BUCKETS = 2
+# The longest the backward pass waits for one reduction (_make_room); past it, it stops waiting for this step.
+WAIT_SECONDS = 1.0
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # every ShardedOptimizer, for _guarded_clip
 
@@ -406,7 +409,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         o.param.grad = None
 
     def _begin(self, unit: tuple, handle, ctx, nbytes: int, backward: bool) -> None:
-        self._started[unit] = sum(1 for v in self._started.values() if v) + 1 if backward else 0
+        self._started[unit] = len(self._started) + 1 if backward else 0  # (those of synchronize() come last)
         self._flight[unit] = (handle, ctx, nbytes)
 
     def _make_room(self, nbytes: int) -> None:
@@ -419,7 +422,10 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         Where the ranks' orders differ (a parameter used on some ranks only starts its bucket at synchronize()
         there), rank A could wait for a bucket that rank B starts only at synchronize(), while B waits for one
         that A starts only then: both hang. So _agree() checks the order each step (two numbers per unit in the
-        all-reduce it runs anyway) and a step waits only after a step whose order every rank shared."""
+        all-reduce it runs anyway) and a step waits only after a step whose order every rank shared. That order
+        may still change in this step (an expert routed on one rank only): a wait lasts at most WAIT_SECONDS,
+        after which this step waits no more (a hang becomes a stall of that long, and the memory bound is lost
+        for the step)."""
         for unit, (handle, _, _) in list(self._flight.items()):
             if hvd.poll(handle):
                 self._finish(unit)
@@ -427,7 +433,14 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
             return
         limit = IN_FLIGHT_BUCKETS * self._bucket_bytes
         while self._flight and sum(n for _, _, n in self._flight.values()) + nbytes > limit:
-            self._finish(next(iter(self._flight)))
+            unit = next(iter(self._flight))
+            handle, deadline = self._flight[unit][0], time.monotonic() + WAIT_SECONDS
+            while not hvd.poll(handle):
+                if time.monotonic() > deadline:
+                    self._ordered = False
+                    return
+                time.sleep(0.0002)
+            self._finish(unit)
 
     def _finish(self, unit: tuple) -> None:
         """Synchronize a reduction in flight: a bucket's shard parameter gets its slice of the result, an owned
