@@ -53,6 +53,7 @@ from hvdp.tensorflow import (  # noqa: F401  (the shared implementation, re-expo
     save_checkpoint,
 )
 from hvdp.tensorflow.data import _position, _shard
+from hvdp.tensorflow.evaluation import summed_metric_results
 from hvdp.tensorflow.tracking import watched
 
 
@@ -281,6 +282,9 @@ class DistributedCallback(keras.callbacks.Callback):
         self.average_metrics = average_metrics
         self.resumed: dict | None = None
         self._epoch = 0  # the epoch running
+        self._train_results: dict | None = None  # the epoch's training metrics, summed before validation
+        self._val_results: dict | None = None  # the epoch's validation metrics, summed at its end
+        self._fitting = False
 
     def on_train_begin(self, logs=None):
         """Check the setup, turn XLA off, then resume the newest checkpoint or broadcast rank 0's state.
@@ -317,6 +321,7 @@ class DistributedCallback(keras.callbacks.Callback):
         if fit_list is not None:  # Keras's own writers given to fit directly: rank 0 only, or refused
             _keras_rank0.wrap_in_fit(fit_list, self, hvd.rank())
         self._agree_on_stop(optimizer, fit_list)
+        self._fitting, self._train_results = True, None
         self.resumed = (load_checkpoint(self.checkpoint_dir, model, optimizer, self.data)
                         if self.checkpoint_dir else None)
         if self.resumed is not None:
@@ -346,6 +351,7 @@ class DistributedCallback(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         """Forget the resumed epoch, so that a later fit() starts from its own initial_epoch, and a stop the
         ranks agreed on (the next fit starts without one); `logs` unused."""
+        self._fitting = False
         if self.resumed is not None:
             self.model._initial_epoch = None
         flag = getattr(self.model.optimizer, "_hvdp_stop", None)
@@ -374,6 +380,7 @@ class DistributedCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         """Set the data order to fit's `epoch` (when `data` was given); `logs` is unused."""
         self._epoch = epoch
+        self._train_results = self._val_results = None
         if self.data is not None:
             self.data.hvdp_position.set(epoch)
 
@@ -389,9 +396,29 @@ class DistributedCallback(keras.callbacks.Callback):
                             global_step=int(self.model.optimizer.iterations), keep=self.keep)
             _keras_backend.exit_for_requeue()
 
+    def _summed(self) -> dict[str, float]:
+        """The model's metrics (loss tracker, compiled metrics) from their state summed over the ranks."""
+        return summed_metric_results(self.model.metrics, _hvd())
+
+    def on_test_begin(self, logs=None):
+        """Within fit, before validation resets the metrics: the epoch's training metrics from their state
+        summed over the ranks (collective: every rank validates at the same epochs); `logs` unused."""
+        if self.average_metrics and _hvd().size() > 1 and self._fitting and self._train_results is None:
+            self._train_results = self._summed()
+
+    def on_test_end(self, logs=None):
+        """Within fit: the validation's metrics from their state summed over the ranks, for on_epoch_end's val_*
+        logs (fit's CallbackList hands the callbacks a copy of evaluate's logs: they are set there); collective,
+        `logs` unused."""
+        if self.average_metrics and _hvd().size() > 1 and self._fitting:
+            self._val_results = self._summed()
+
     def on_epoch_end(self, epoch, logs=None):
-        """Take the epoch's short last step (flush), average the numeric `logs` over ranks in place and
-        write the checkpoint of `epoch` + 1.
+        """Take the epoch's short last step (flush), set the epoch's metrics in `logs` to one process's (every
+        keras.metrics.Metric from its state summed over the ranks, as Keras under tf.distribute computes it:
+        exact for ratio metrics such as Precision, Recall, AUC; the validation ones were at on_test_end; any
+        other number a callback put in the logs is averaged over the ranks), and write the checkpoint of
+        `epoch` + 1.
 
         Collective (fit runs it on every rank): the ranks must log the same metric names.
         """
@@ -400,7 +427,14 @@ class DistributedCallback(keras.callbacks.Callback):
                 and not (stopped is not None and stopped.agreed())):  # passes after an agreed stop are dropped
             self.model.optimizer.flush()  # with backward_passes_per_step=k: the last j < k passes are a step
         if self.average_metrics and logs and _hvd().size() > 1:
-            keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.floating, np.integer)))
+            summed = self._train_results if self._train_results is not None else self._summed()
+            self._train_results = None
+            exact = {k: v for k, v in summed.items() if k in logs}
+            exact.update({f"val_{k}": v for k, v in (self._val_results or {}).items() if f"val_{k}" in logs})
+            self._val_results = None
+            keys = sorted(k for k, v in logs.items()
+                          if k not in exact and isinstance(v, (int, float, np.floating, np.integer)))
+            logs.update(exact)
             logs.update(zip(keys, _keras_backend.allreduce_mean([float(logs[k]) for k in keys], "hvdp.metrics")))
         if self.checkpoint_dir:
             save_checkpoint(self.checkpoint_dir, self.model, self.model.optimizer, epoch=epoch + 1, step=0,

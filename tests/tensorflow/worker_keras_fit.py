@@ -251,6 +251,86 @@ def keras_writers_before_hvdp_or_tensorboard_direct_refused_before_the_first_ste
         assert not (tmp / "before.keras").exists()
 
 
+# ---------------------------------------------------- rows 7 and 10: loss objects, metrics from summed state
+
+def _binary(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(1, activation="sigmoid")])
+
+
+def _binary_data(n, seed=5):
+    x, _ = _data(n=n, seed=seed)
+    y = (x[:, 0] + 0.8 * np.random.default_rng(seed).standard_normal(n) > 0.3).astype(np.float32)
+    return x, y
+
+
+RATIO_METRICS = {"precision": keras.metrics.Precision, "recall": keras.metrics.Recall, "auc": keras.metrics.AUC}
+
+
+def _one_process(metric_class, y, out):
+    metric = metric_class()
+    metric.update_state(y, out)
+    return float(keras.ops.convert_to_numpy(metric.result()))
+
+
+@check
+def evaluate_takes_loss_objects_and_stateful_metrics(tmp):
+    # Today a loss object's __call__ gives the batch mean, summed as one sample (0.353 against 2.217).
+    x, _ = _data(n=37)
+    y = (np.random.default_rng(2).standard_normal((37, 3)) * 2 + 1).astype(np.float32)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    out = keras.ops.convert_to_numpy(model(x)).astype(np.float64)
+    exact = float(np.mean(np.mean((y - out) ** 2, axis=-1)))
+    for loss in (keras.losses.MeanSquaredError(), keras.losses.mean_squared_error,
+                 keras.losses.MeanSquaredError(reduction="sum")):
+        got = hk.evaluate(model, (x, y), loss=loss, metrics={}, batch_size=8)
+        assert abs(got["loss"] - exact) <= 1e-6 * exact and got["samples"] == 37, (loss, got, exact)
+    try:  # a loss function that reduces the batch itself: refused on every rank
+        hk.evaluate(model, (x, y), loss=lambda a, b: keras.ops.mean(keras.ops.square(keras.ops.convert_to_tensor(a) - b)),
+                    metrics={}, batch_size=8)
+    except hk.HvdpError as e:
+        assert "shape ()" in str(e) and "per-sample" in str(e), e
+    else:
+        raise AssertionError("a reduced loss was not refused")
+    # stateful metrics: their state summed over the ranks, then result(): one process's value
+    xb, yb = _binary_data(61)
+    classifier = _binary()
+    metrics = {name: cls() for name, cls in RATIO_METRICS.items()}
+    got = hk.evaluate(classifier, (xb, yb), from_logits=False, metrics=metrics, batch_size=8)
+    probabilities = classifier(xb)
+    for name, cls in RATIO_METRICS.items():
+        assert abs(got[name] - _one_process(cls, yb, probabilities)) <= 1e-6, (name, got)
+
+
+@check
+def ratio_metrics_in_fit_logs_from_summed_state(tmp):
+    # Today each rank's precision (recall, AUC) is averaged: 0.6013 against 0.6000. The learning rate is 0, so
+    # one process's value is the metric over all samples with these weights (each step's update is the union
+    # of the ranks'); the epochs are whole global batches (an uneven last step weighs its samples by hvdp's
+    # last-step weights in the metrics too).
+    x, y = _binary_data(STEPS * world.size * BATCH)
+    xv, yv = _binary_data(4 * world.size * BATCH, seed=6)
+    model = _binary(seed=world.rank)  # the broadcast makes them rank 0's
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="binary_crossentropy",
+                  metrics=[cls(name=name) for name, cls in RATIO_METRICS.items()])
+    train = hk.shard((x, y), batch_size=BATCH, seed=3)
+    val = hk.shard((xv, yv), batch_size=BATCH, shuffle=False)
+    history = model.fit(train, validation_data=val, epochs=1, verbose=0, callbacks=hk.callbacks(data=train))
+    logs = {k: v[0] for k, v in history.history.items()}
+    _same_everywhere(sorted(logs.items()), "metric logs")
+    for prefix, (xs, ys) in (("", (x, y)), ("val_", (xv, yv))):
+        out = model(xs)
+        for name, cls in RATIO_METRICS.items():
+            exact = _one_process(cls, ys, out)
+            print(f"[rank {world.rank}] {keras.backend.backend()} {prefix}{name}: fit {logs[prefix + name]:.6f}, "
+                  f"one process {exact:.6f}", file=sys.stderr, flush=True)
+            assert abs(logs[prefix + name] - exact) <= 1e-6, (prefix + name, logs[prefix + name], exact)
+        loss = float(np.mean(keras.ops.convert_to_numpy(keras.losses.binary_crossentropy(ys[:, None], out))))
+        assert abs(logs[prefix + "loss"] - loss) <= 1e-5, (prefix, logs[prefix + "loss"], loss)
+
+
 # ------------------------------------------------------------------------ against one process with the global batch
 
 def _against_one_process(build, build_reference, data, *, epochs=2, seed=3, reference_dtype="float32",
