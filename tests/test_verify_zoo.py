@@ -41,3 +41,23 @@ def test_verify_zoo_passes(args, size):
         assert case["max_abs_diff"] <= zoo.TOLERANCE, case
         # every line says what it compared: name, framework/path, the figure, the tolerance, the verdict
         assert zoo.format_line(case) in proc.stdout
+
+
+def test_zoo_refuses_what_it_does_not_take(capsys):
+    from hvdp.tools import cli
+    assert cli.main(["verify", "--zoo", "--model", "m:f", "--optimizer", "adam"]) == 2
+    err = capsys.readouterr().err
+    assert "--zoo runs its own models, optimizers and tolerance (1e-05)" in err and "--model, --optimizer" in err, err
+    assert cli.main(["verify", "--zoo", "--framework", "torch", "--keras-backend", "torch"]) == 2
+    assert "--keras-backend is for --framework keras only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("said,expected", [
+    ({"FRAMEWORKS": {"a": "keras", "b": "tensorflow"}}, {"a": ("tensorflow", "torch"), "b": ("tensorflow",)}),
+    ({"BACKENDS": {"a": ("torch",)}}, {"a": ("torch",), "b": ("tensorflow", "torch")}),
+    ({}, {"a": ("tensorflow", "torch"), "b": ("tensorflow", "torch"), "tf_loop": ("tensorflow",)}),
+])
+def test_which_backends_a_keras_case_runs_on(said, expected):
+    module = type("ZooKeras", (), said)
+    for name, backends in expected.items():
+        assert tuple(b for b in ("tensorflow", "torch") if zoo._applies(module, name, b)) == backends, name
