@@ -47,7 +47,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         top_up = _Batch.is_top_up()
         count = torch.tensor([0 if top_up else x.numel() // channels], dtype=xf.dtype, device=x.device)
         local = torch.cat([xf.sum(dims), (xf * xf).sum(dims), count])
-        stats = hvd.allreduce(local * 0 if top_up else local, op=hvd.Sum)
+        stats = _WeightedSum.apply(local * 0 if top_up else local, _Batch.factor(_Batch.current))
         if top_up:
             stats = stats.detach() + stats * 0
         n = stats[-1]
@@ -64,6 +64,30 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
         return y.to(x.dtype)
+
+
+class _WeightedSum(torch.autograd.Function):
+    """The all-reduce (sum) of the ranks' statistics, whose backward weights each rank's share of the gradient
+    as prepare()'s hooks weight that rank's parameters.
+
+    At an epoch's uneven last step each rank's gradients are multiplied by its batch's weight w (_Batch: its
+    share of the step's samples), so that the average over the ranks is one process's mean. A gradient that
+    reaches this rank's input through the global statistics comes from every rank's loss; the plain sum sent
+    it back unweighted, and this rank's hook then weighted all of it by this rank's w (the zoo's syncbn case:
+    1.9e-4 off one process at 8 and 7 samples). Here each rank sends w times its share, and the sum is divided
+    by this rank's w, which its hooks multiply back. A top-up batch (w = 0) passes no gradient back, as before,
+    and still takes part in the all-reduce."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return hvd.allreduce(local, op=hvd.Sum)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        w = ctx.weight
+        total = hvd.allreduce(grad * w, op=hvd.Sum)
+        return (total / w if w else torch.zeros_like(grad)), None
 
 
 def _convert_sync_batchnorm(module: torch.nn.Module) -> None:

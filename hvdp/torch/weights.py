@@ -19,12 +19,14 @@ class _Batch:
     sampler = None  # the ShardSampler (or a stream's _StreamSteps) of the batch handed out last, or None
     index = 0       # that batch's index in the sampler's iteration
     passes = {1}    # every backward_passes_per_step prepared in this process (the same on every rank)
+    current = 1     # the backward_passes_per_step of the last prepare()
     _cached: tuple = (None, -1, 0, 1.0)
 
     @classmethod
     def accumulating(cls, passes: int) -> None:
         """Record that prepare() set up hooks weighting steps of `passes` batches (a stream reads ahead for them)."""
         cls.passes = cls.passes | {passes}
+        cls.current = passes
 
     @classmethod
     def read_until(cls, index: int) -> int:
