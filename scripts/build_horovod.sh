@@ -113,6 +113,11 @@ apply_fixes() {
     patch -s -p1 -d "$1" < "$csrc/patches/gloo_loop_yield.patch"
     grep -q 'std::this_thread::yield();' "$1/third_party/gloo/gloo/transport/tcp/pair.cc" \
         || { echo "gloo loop yield patch failed" >&2; exit 1; }
+    # Fix 15: the timeline's writer thread yielded in a loop while its queue was empty: with the timeline on
+    # (HOROVOD_TIMELINE), a rank waiting 20 s in a collective used 20 s of CPU (1.0 core), MPI and Gloo alike
+    # (issue 52). It now sleeps on a condition variable that each enqueue, a new file and shutdown signal.
+    patch -s -p1 -d "$1" < "$csrc/patches/timeline_wait.patch"
+    grep -q 'wake_.wait_for(lock' "$1/horovod/common/timeline.cc" || { echo "timeline wait patch failed" >&2; exit 1; }
     # Fix 17: NCCL from pip (nvidia-nccl-cu13, torch's own dependency: what a GPU server's venv has) ships
     # lib/libnccl.so.2 and no libnccl.so, and FindNCCL looked only for libnccl_static.a and libnccl.so, so
     # the NCCL build failed on a complete toolkit (issue 46). It also takes the versioned name.
