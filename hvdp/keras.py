@@ -397,8 +397,11 @@ class DistributedCallback(keras.callbacks.Callback):
             _keras_backend.exit_for_requeue()
 
     def _summed(self) -> dict[str, float]:
-        """The model's metrics (loss tracker, compiled metrics) from their state summed over the ranks."""
-        return summed_metric_results(self.model.metrics, _hvd())
+        """The model's compiled metrics from their state summed over the ranks. The loss is left to the
+        averaging: fit's loss tracker weighs each step by this rank's batch size, which in an epoch's uneven last
+        step hvdp's sample weights already account for (summing it there is no closer to one process)."""
+        tracker = getattr(self.model, "_loss_tracker", None)
+        return summed_metric_results([m for m in self.model.metrics if m is not tracker], _hvd())
 
     def on_test_begin(self, logs=None):
         """Within fit, before validation resets the metrics: the epoch's training metrics from their state

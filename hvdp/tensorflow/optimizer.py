@@ -3,6 +3,7 @@ ScaledSchedule and scale_learning_rate."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import tensorflow as tf
@@ -147,6 +148,41 @@ def _rescale_learning_rate(optimizer: keras.optimizers.Optimizer, scaled_by: flo
 
 
 @keras.saving.register_keras_serializable(package="hvdp")
+def _refuse_loss_scaling_outside(optimizer) -> None:
+    """Make a LossScaleOptimizer that wraps `optimizer` (a custom loop's LossScaleOptimizer(DistributedOptimizer
+    (opt)), the order of Keras's mixed-precision guide) raise ConfigError at its apply, before its own
+    inf/NaN test, which looks at each rank's own gradients: a rank whose gradients overflow would skip the
+    all-reduce the others run, pairing the ranks' all-reduces across steps (loss scales that split, a hang).
+    Called from build(), which the outer one calls at its first apply (or its own build): that apply raises
+    at once, and the outer one's apply is replaced on this instance by the refusal, so every rank raises at its
+    first step, before any all-reduce and outside the outer one's conditional (inside a tf.function TensorFlow
+    reports it as a StagingError quoting the ConfigError). model.fit with hvdp.keras.callbacks() swaps the two before the first step and
+    never calls the outer one's apply (on Keras's torch backend fit builds it before that)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return
+        outer = frame.f_locals.get("self")
+        if isinstance(outer, keras.optimizers.LossScaleOptimizer) and outer.inner_optimizer is optimizer:
+            rank = _keras_backend.ensure_init().rank
+
+            def refuse(*args, **kwargs):
+                raise ConfigError(
+                    "LossScaleOptimizer(DistributedOptimizer(...)): the LossScaleOptimizer checks each rank's own "
+                    "gradients for inf/NaN before they are averaged, so a rank whose gradients overflow skips the "
+                    "all-reduce the others run (a hang, loss scales that differ). Nest them the other way: hvdp's "
+                    "DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer)) (its scale_loss(loss) "
+                    "delegates to the LossScaleOptimizer): the scaled gradients are averaged first and every rank "
+                    "takes the same skip", rank=rank)
+            object.__setattr__(outer, "apply", refuse)
+            while frame is not None:  # built by the outer one's apply: this very step already refuses
+                if frame.f_locals.get("self") is outer and frame.f_code.co_name == "apply":
+                    refuse()
+                frame = frame.f_back
+            return
+        frame = frame.f_back
+
+
 class DistributedOptimizer(keras.optimizers.Optimizer):
     """A Keras 3 optimizer that averages gradients across ranks before the wrapped optimizer applies them.
 
@@ -221,6 +257,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """Build the wrapped optimizer's state (and the k-pass accumulators) for the variables `var_list`."""
         if self.built:
             return
+        _refuse_loss_scaling_outside(self)
         var_list = list(var_list)
         self.inner_optimizer.build(var_list)
         if self.backward_passes_per_step > 1:
