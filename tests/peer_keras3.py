@@ -65,6 +65,9 @@ class Keras3PortTests(tf.test.TestCase):
                       metrics=[keras.metrics.categorical_accuracy])
         x = np.random.random((10, 3))
         y = np.random.random((10, 3, 2))
+        # (not in the original) each rank its own data: tf.test.TestCase seeds numpy alike on every rank, and
+        # with the same data on every rank the weights would agree without any all-reduce
+        x = x + 0.1 * hvd.rank()
         seen = []
 
         class StoreLearningRateCallback(tf.keras.callbacks.Callback):
@@ -111,6 +114,9 @@ class Keras3PortTests(tf.test.TestCase):
 
         x = np.random.randint(1000, size=(32, 10))
         y = np.random.random((32, 10, 64))
+        # (not in the original) each rank its own data, as above; opposite signs, as RMSprop's first step is
+        # about lr * sign(gradient) whatever its size
+        y = y * (-1) ** hvd.rank()
         model.train_on_batch(x, y)
         # (not in the original) the ranks' different batches gave one step: the same weights everywhere
         w = model.get_weights()[0]
