@@ -199,10 +199,20 @@ def _as_sample_weights(*element):
     """A batch with hvdp's weights last, as fit takes it: (x, y, w), (x, y, sw * w), or x alone."""
     *sample, weight = element
     if len(sample) == 2:
-        return (*sample, weight)
+        y = sample[1]
+        return (*sample, _along_batch(weight, y) if isinstance(y, tf.Tensor) else weight)
     if len(sample) == 3:
-        return (*sample[:2], sample[2] * tf.cast(weight, sample[2].dtype))
+        sw = sample[2]
+        return (*sample[:2], sw * _along_batch(tf.cast(weight, sw.dtype), sw))
     return sample[0] if len(sample) == 1 else tuple(sample)
+
+
+def _along_batch(weight, like):
+    """The per-sample `weight` (shape (b,)) shaped (b, 1, ..., 1) to the rank of `like` (y, or the user's own
+    weights): it then scales each sample's per-timestep or per-pixel losses along the batch axis (Keras squeezes
+    a trailing 1 where the loss has one value per sample), never a wrong axis."""
+    ones = tf.ones([tf.maximum(tf.rank(like) - 1, 0)], tf.int32)
+    return tf.reshape(weight, tf.concat([tf.shape(weight), ones], 0))
 
 
 class _RankZeroProgbar(keras.callbacks.ProgbarLogger):
@@ -308,6 +318,8 @@ class DistributedCallback(keras.callbacks.Callback):
             raise ConfigError("the model has no weights yet, so rank 0's cannot be broadcast before the first "
                               "step: build it first (start it with keras.Input(shape) or call model.build(shape))",
                               rank=hvd.rank())
+        if hvd.size() > 1:
+            _refuse_inexact_losses(model, hvd.rank())
         if model.jit_compile:
             # Horovod's collectives are not XLA ops: rebuild the step without XLA (fit looks it up every step).
             model.jit_compile = False
@@ -442,6 +454,50 @@ class DistributedCallback(keras.callbacks.Callback):
         if self.checkpoint_dir:
             save_checkpoint(self.checkpoint_dir, self.model, self.model.optimizer, epoch=epoch + 1, step=0,
                             global_step=int(self.model.optimizer.iterations), keep=self.keep)
+
+
+_PER_SAMPLE_MEAN = ("sum_over_batch_size", "mean")
+
+
+def _refuse_inexact_losses(model, rank: int) -> None:
+    """ConfigError, before the first step (the same model on every rank: every rank raises), for a loss that is
+    not a per-sample mean over this rank's batch, whose average over the ranks is then not one process's loss
+    on the global batch (issue 50 row 5): a compiled Loss with reduction "sum" or "mean_with_sample_weight" (a
+    per-rank divisor), an output that carries a Keras mask into the loss (the mean over each rank's own
+    valid tokens), a layer's activity_regularizer (a penalty on each rank's batch, added as it is)."""
+    import keras.src.tree as tree
+
+    for loss in tree.flatten(model.loss) if model.loss is not None else []:
+        reduction = getattr(loss, "reduction", "sum_over_batch_size")
+        if isinstance(loss, keras.losses.Loss) and reduction not in _PER_SAMPLE_MEAN:
+            raise ConfigError(
+                f"the compiled loss {type(loss).__name__}(reduction={reduction!r}) is not a per-sample mean over "
+                f"the batch: averaged over the ranks it is not one process's loss on the global batch (with "
+                f"'sum' the step is 1/size of it; with 'mean_with_sample_weight' each rank divides by its own "
+                f"weights). Compile with reduction='sum_over_batch_size' (the default); put any normalisation in "
+                f"the sample weights", rank=rank)
+    regularized = [layer.name for layer in model._flatten_layers(include_self=False)
+                   if getattr(layer, "activity_regularizer", None) is not None]
+    if regularized:
+        raise ConfigError(
+            f"layer(s) {regularized} have an activity_regularizer: its penalty is taken on each rank's batch and "
+            f"added to the loss as it is, so the ranks' average is not one process's penalty on the global batch. "
+            f"Use a kernel_regularizer, or add the penalty to the loss as a per-sample mean (a custom loss "
+            f"returning each sample's value)", rank=rank)
+    # a functional or Sequential model's symbolic outputs hold their masks (a subclassed model has none to see)
+    outputs = getattr(model, "outputs", None) if getattr(model, "_is_graph_network", True) else None
+    try:
+        outputs = tree.flatten(outputs) if outputs else []
+    except (AttributeError, ValueError):
+        outputs = []
+    if any(getattr(o, "_keras_mask", None) is not None for o in outputs):
+        raise ConfigError(
+            "the model's output carries a Keras mask (Masking, Embedding(mask_zero=True) with return_sequences): "
+            "the loss is then the mean over each rank's own valid tokens, and the ranks' average is not one "
+            "process's mean over the global batch's valid tokens. Drop the mask before the output (a layer that "
+            "does not pass it on) and pass per-token sample weights, 1 on valid tokens and 0 elsewhere: the loss "
+            "is then the weighted sum over the batch's tokens divided by their number, the same divisor on every "
+            "rank, so N ranks equal one process", rank=rank)
 
 
 def _discard_accumulated(optimizer) -> None:

@@ -374,6 +374,45 @@ def loss_scale_optimizer_outside_distributed_optimizer_refused_on_every_rank(tmp
     _replicas_identical(model, "loss scale")
 
 
+# ---------------------------------------------- row 5: losses that are not a per-sample mean, refused before step 0
+
+@check
+def losses_that_are_not_a_per_sample_mean_refused_before_the_first_step(tmp):
+    # Today they train, silently not one process's: reduction="sum" 0.17, "mean_with_sample_weight" 0.11, a masked
+    # sequence loss 3.7e-2, an activity_regularizer 2.8e-3 (max |dw|, the probes).
+    def sequence(mask):
+        return keras.Sequential([keras.Input((5,)), keras.layers.Embedding(7, 4, mask_zero=mask),
+                                 keras.layers.GRU(4, return_sequences=True), keras.layers.Dense(3)])
+    cases = {
+        "sum": (_model, keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"), "'sum'"),
+        "weighted": (_model, keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="mean_with_sample_weight"), "mean_with_sample_weight"),
+        "activity": (lambda: keras.Sequential([keras.Input((6,)), keras.layers.Dense(
+            3, activity_regularizer=keras.regularizers.L2(0.1))]), LOSS, "activity_regularizer"),
+        "masked": (lambda: sequence(True), LOSS, "Keras mask"),
+    }
+    x, y = _data(n=2 * world.size * BATCH)
+    tokens = np.random.default_rng(1).integers(0, 7, (len(x), 5))
+    for label, (build, loss, named) in cases.items():
+        model = build()
+        model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=loss)
+        data = hk.shard((tokens, np.stack([y] * 5, axis=1)) if label == "masked" else (x, y), batch_size=BATCH)
+        try:
+            model.fit(data, epochs=1, verbose=0, callbacks=hk.callbacks(data=data))
+        except hk.HvdpError as e:
+            assert named in str(e), (label, e)
+        else:
+            raise AssertionError(f"{label}: not refused")
+        assert int(model.optimizer.iterations) == 0, label
+    # the same sequence model without the mask at the output trains (per-token losses, not refused)
+    model = sequence(False)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=LOSS)
+    data = hk.shard((tokens, np.stack([y] * 5, axis=1)), batch_size=BATCH)
+    model.fit(data, epochs=1, verbose=0, callbacks=hk.callbacks(data=data))
+    assert int(model.optimizer.iterations) == 2
+    _replicas_identical(model, "sequence")
+
+
 # ------------------------------------------------------------------------ against one process with the global batch
 
 def _against_one_process(build, build_reference, data, *, epochs=2, seed=3, reference_dtype="float32",
