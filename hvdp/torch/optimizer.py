@@ -110,7 +110,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     Raises:
         ConfigError: an unknown `op`, `compression` or `lr_scaling`; `backward_passes_per_step` not an
             integer >= 1; `warmup_steps` < 0; op="adasum" in a multi-rank job on Gloo; shard_optimizer_state
-            with op="adasum".
+            with op="adasum"; shard_optimizer_state with an nn.Embedding/EmbeddingBag built with sparse=True.
         DivergenceError: the ranks built models of different parameter names or shapes (on every rank).
     """
     model = _plain(model)
@@ -127,6 +127,13 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scal
     if op == "adasum" and hvd.size() > 1 and not hvd.mpi_enabled():
         raise ConfigError("op='adasum' needs Horovod's MPI controller, and this job runs on Gloo: launch "
                           "with `horovodrun` without --gloo (or mpirun), or use op='average'", rank=hvd.rank())
+    sparse = [name or type(m).__name__ for name, m in model.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    if shard_optimizer_state and sparse:  # the shards are flat slices of dense gradients
+        raise ConfigError(f"shard_optimizer_state=True needs dense gradients, and {', '.join(map(repr, sparse))} make(s) sparse "
+                          f"ones (sparse=True): build them with sparse=False (SGD and Adagrad then take the same "
+                          f"steps), or keep the allreduce path (shard_optimizer_state=False), which averages sparse "
+                          f"gradients exactly", rank=hvd.rank())
     if shard_optimizer_state and op == "adasum":
         raise ConfigError("shard_optimizer_state=True works with op='average' or 'sum', not 'adasum'",
                           rank=hvd.rank())
