@@ -38,7 +38,7 @@ from hvdp.core.watchdog import WAITING
 from hvdp.torch.optimizer import _counted
 from hvdp.torch.runtime import COMPUTING, hvd
 from hvdp.torch.sharded_layout import _Bucket, _Owned, _Piece, balance, element_wise, pack, split
-from hvdp.torch.sharded_state import ShardedStateDict, is_per_element
+from hvdp.torch.sharded_state import ShardedStateDict, describe_state
 from hvdp.torch.weights import _Batch, _gradient_hook
 
 __all__ = ["BUCKET_BYTES", "ShardedOptimizer", "split"]
@@ -620,17 +620,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         none), copied to the CPU, and which of those were not on it."""
         mine = []
         for b in buckets:
-            per, other, on_device = {}, {}, []
-            for k, v in self.state.get(b.shard, {}).items():
-                if is_per_element(v, b.shard):
-                    per[k] = v.dtype
-                elif torch.is_tensor(v):
-                    other[k] = v.detach().cpu().clone()
-                    if v.device.type != "cpu":
-                        on_device.append(k)
-                else:
-                    other[k] = v
-            mine.append((per, other, on_device))
+            mine.append(describe_state(self.state.get(b.shard, {}), b.shard))
         every = hvd.allgather_object(mine, name="hvdp.zero.move") if self._size > 1 else [mine]
         out = []
         for n in range(len(buckets)):

@@ -25,7 +25,7 @@ from hvdp.core.errors import CheckpointError
 from hvdp.core.sharding import keepers
 from hvdp.torch.runtime import hvd
 from hvdp.torch.sharded import ShardedOptimizer, split
-from hvdp.torch.sharded_state import is_per_element
+from hvdp.torch.sharded_state import describe_state
 
 
 def _described(opt: ShardedOptimizer) -> list[dict]:
@@ -33,16 +33,7 @@ def _described(opt: ShardedOptimizer) -> list[dict]:
     the other entries (Adam's step), copied to the CPU, "on_device": those of them that were not on it}."""
     out = []
     for b in opt._buckets:
-        per, other, on_device = {}, {}, []
-        for k, v in opt.state.get(b.shard, {}).items():
-            if is_per_element(v, b.shard):
-                per[k] = v.dtype
-            elif torch.is_tensor(v):
-                other[k] = v.detach().cpu().clone()
-                if v.device.type != "cpu":
-                    on_device.append(k)
-            else:
-                other[k] = v
+        per, other, on_device = describe_state(opt.state.get(b.shard, {}), b.shard)
         out.append({"per": per, "other": other, "on_device": on_device})
     return out
 

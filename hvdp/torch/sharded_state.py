@@ -36,6 +36,22 @@ def is_per_element(value, shard: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.dim() == 1 and value.shape == shard.shape
 
 
+def describe_state(entries: dict, shard: torch.Tensor) -> tuple[dict, dict, list]:
+    """What a flat shard's state holds: ({key: dtype} of its per-element entries, the other entries (Adam's
+    step) copied to the CPU, the keys of those that were not on the CPU)."""
+    per, other, on_device = {}, {}, []
+    for k, v in entries.items():
+        if is_per_element(v, shard):
+            per[k] = v.dtype
+        elif torch.is_tensor(v):
+            other[k] = v.detach().cpu().clone()
+            if v.device.type != "cpu":
+                on_device.append(k)
+        else:
+            other[k] = v
+    return per, other, on_device
+
+
 class _Keys(list):
     """state_skeleton()'s keys for gather_state(): a list of (key, per_element), with .owned, what each owned
     parameter's state holds (ShardedStateDict._state_keys)."""
