@@ -147,7 +147,6 @@ def _rescale_learning_rate(optimizer: keras.optimizers.Optimizer, scaled_by: flo
             lr.assign(rescaled)
 
 
-@keras.saving.register_keras_serializable(package="hvdp")
 def _refuse_loss_scaling_outside(optimizer) -> None:
     """Make a LossScaleOptimizer that wraps `optimizer` (a custom loop's LossScaleOptimizer(DistributedOptimizer
     (opt)), the order of Keras's mixed-precision guide) raise ConfigError at its apply, before its own
@@ -183,6 +182,7 @@ def _refuse_loss_scaling_outside(optimizer) -> None:
         frame = frame.f_back
 
 
+@keras.saving.register_keras_serializable(package="hvdp")
 class DistributedOptimizer(keras.optimizers.Optimizer):
     """A Keras 3 optimizer that averages gradients across ranks before the wrapped optimizer applies them.
 
