@@ -53,7 +53,7 @@ from hvdp.tensorflow import (  # noqa: F401  (the shared implementation, re-expo
     save_checkpoint,
 )
 from hvdp.tensorflow.data import _position, _shard
-from hvdp.tensorflow.evaluation import summed_metric_results
+from hvdp.tensorflow.evaluation import _summed_metric_results
 from hvdp.tensorflow.tracking import watched
 
 
@@ -413,7 +413,7 @@ class DistributedCallback(keras.callbacks.Callback):
         averaging: fit's loss tracker weighs each step by this rank's batch size, which in an epoch's uneven last
         step hvdp's sample weights already account for (summing it there is no closer to one process)."""
         tracker = getattr(self.model, "_loss_tracker", None)
-        return summed_metric_results([m for m in self.model.metrics if m is not tracker], _hvd())
+        return _summed_metric_results([m for m in self.model.metrics if m is not tracker], _hvd())
 
     def on_test_begin(self, logs=None):
         """Within fit, before validation resets the metrics: the epoch's training metrics from their state

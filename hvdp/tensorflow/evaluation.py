@@ -37,7 +37,7 @@ def _classifier_loss(y, out, from_logits: bool = True):
     return keras.losses.sparse_categorical_crossentropy(y, out, from_logits=from_logits)
 
 
-def per_sample_loss(loss):
+def _per_sample_loss(loss):
     """The function of (y, out) giving each sample's loss for `loss`: a keras.losses.Loss object's own `call`
     (its __call__ reduces the batch to one number, by default its mean, which would count as one sample), or
     `loss` itself (a function such as keras.losses.mean_squared_error)."""
@@ -118,7 +118,7 @@ def _sum_over_ranks(horovod, values: np.ndarray, name: str) -> np.ndarray:
     return horovod.allreduce(tf.constant(values, tf.float64), op=horovod.Sum, name=name).numpy()
 
 
-def summed_metric_results(metrics, horovod, name: str = "hvdp.metric_state") -> dict[str, float]:
+def _summed_metric_results(metrics, horovod, name: str = "hvdp.metric_state") -> dict[str, float]:
     """The results of the Keras metrics `metrics` (their state as this rank accumulated it) over every rank's
     samples, as Keras computes them under tf.distribute: the metric variables combined over the ranks (summed:
     true/false positives, AUC's confusion counts, a Mean's total and count), then result(); each metric's own
@@ -185,7 +185,7 @@ def evaluate(model, data, *, batch_size: int = 256, from_logits: bool = True, lo
     if loss is None:
         def loss(yb, out):
             return _classifier_loss(yb, out, from_logits)
-    loss = per_sample_loss(loss)
+    loss = _per_sample_loss(loss)
     if metrics is None:
         metrics = {"accuracy": lambda yb, out: _correct(yb, out, from_logits)}
     functions = {k: fn for k, fn in metrics.items() if not isinstance(fn, keras.metrics.Metric)}

@@ -31,13 +31,13 @@ from hvdp.torch.collectives import average, barrier, broadcast, check_consistenc
 from hvdp.torch.optimizer import current_lr, prepare
 from hvdp.torch.compiled import compile
 from hvdp.torch.sync_batchnorm import SyncBatchNorm
-from hvdp.torch.data import ShardSampler, shard
+from hvdp.torch.data import PeekWarning, ShardSampler, shard
 from hvdp.torch.evaluation import evaluate
 from hvdp.torch.checkpoint import load_checkpoint, save_checkpoint
 from hvdp.torch.preemption import exit_for_requeue, preempted
 from hvdp.torch.elastic import ElasticState, elastic_run
 
-__all__ = ["init", "world", "device", "prepare", "compile", "broadcast", "current_lr", "shard", "ShardSampler",
+__all__ = ["init", "world", "device", "prepare", "compile", "broadcast", "current_lr", "shard", "ShardSampler", "PeekWarning",
            "barrier", "average", "evaluate", "log", "progress", "SyncBatchNorm", "check_consistency", "check_finite",
            "save_checkpoint", "load_checkpoint", "preempted", "exit_for_requeue", "ElasticState", "elastic_run",
            "HvdpError"]
