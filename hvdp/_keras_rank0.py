@@ -24,6 +24,7 @@ from pathlib import Path
 import keras
 
 from hvdp import _keras_backend
+from hvdp.core.checkpoint import fsync_path
 from hvdp.core.errors import ConfigError
 
 WRITERS = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore, keras.callbacks.CSVLogger,
@@ -44,20 +45,12 @@ def replace_atomic(path: str | os.PathLike, write) -> None:
     tmp = path.with_name(f".hvdp-tmp-{os.getpid()}-{path.name}")
     try:
         write(str(tmp))
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path.parent)
 
 
 class _AtomicSaves:

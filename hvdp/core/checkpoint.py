@@ -76,12 +76,17 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Any], None]) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dirfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dirfd)
-    finally:
-        os.close(dirfd)
+    fsync_path(path.parent)
     return path
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory by its path (a directory after a rename in it, so that the rename lasts)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
@@ -179,5 +184,5 @@ def check_keep(keep: Any) -> int:
     return keep
 
 
-__all__ = ["FORMAT", "checkpoint_name", "list_checkpoints", "latest_checkpoint", "write_atomic", "prune",
+__all__ = ["FORMAT", "checkpoint_name", "list_checkpoints", "latest_checkpoint", "write_atomic", "fsync_path", "prune",
            "check_keep", "fingerprint", "make_meta", "check_meta"]
