@@ -4,6 +4,7 @@ process without a framework. The same through Slurm (scancel --signal, scontrol 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -49,6 +50,27 @@ def uninterrupted(framework: str) -> dict:
     return _UNINTERRUPTED[framework]
 
 
+@contextlib.contextmanager
+def _past_its_first_checkpoint(launcher, script, args, ckpt):
+    """Start `script` under `launcher` with --checkpoint-dir `ckpt`; yield (the job, {rank: pid}) once its
+    first epoch's checkpoint exists (its loop has asked for preemption); kill it if it is still running after."""
+    job = subprocess.Popen([*launcher_cmd(launcher), str(script), *args, "--checkpoint-dir", str(ckpt)], cwd=ROOT,
+                           env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not list(ckpt.glob("ckpt-*")):  # the first epoch's checkpoint: the loop has asked
+            assert job.poll() is None and time.monotonic() < deadline, "no first checkpoint:\n" + job.stdout.read()
+            time.sleep(0.02)
+        ranks = ranks_of(job, script)
+        assert sorted(ranks) == [0, 1], f"found ranks {ranks}"
+        yield job, ranks
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+
+
 @pytest.mark.parametrize("framework,launcher,sig,targets", [
     ("torch", "mpi", signal.SIGUSR1, (1,)),
     ("torch", "gloo", signal.SIGTERM, (0, 1)),
@@ -61,23 +83,10 @@ def test_a_stop_signal_checkpoints_exits_75_and_the_rerun_is_bit_identical(tmp_p
     mode reports any failed rank as 1, naming the rank's code); the rerun resumes there and ends with the
     uninterrupted run's weights. PyTorch through the example's loop, Keras through hvdp.keras.callbacks."""
     script = SCRIPTS[framework]
-    job = subprocess.Popen([*launcher_cmd(launcher), str(script), *EPOCHS, "--checkpoint-dir", str(tmp_path)],
-                           cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while not list(tmp_path.glob("ckpt-*")):  # the first epoch's checkpoint: the loop has asked
-            assert job.poll() is None and time.monotonic() < deadline, "no first checkpoint:\n" + job.stdout.read()
-            time.sleep(0.02)
-        ranks = ranks_of(job, script)
-        assert sorted(ranks) == [0, 1], f"found ranks {ranks}"
+    with _past_its_first_checkpoint(launcher, script, [*EPOCHS], tmp_path) as (job, ranks):
         for rank in targets:
             os.kill(ranks[rank], sig)
         out, _ = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
     why = sig.name if 0 in targets else "a stop signal on another rank"  # what rank 0 says
     assert f"rank {targets[0]} got {sig.name}" in out and f"hvdp: preempted ({why})" in out, out[-3000:]
     if launcher == "mpi":
@@ -104,16 +113,7 @@ def test_workers_outlive_a_signal_to_every_process_and_the_rerun_is_bit_identica
     script, files = SCRIPTS["torch"], tmp_path / "files"
     ckpt = tmp_path / "ckpt"
     args = [*EPOCHS, "--files", str(files)]
-    job = subprocess.Popen([*launcher_cmd("mpi"), str(script), *args, "--checkpoint-dir", str(ckpt)], cwd=ROOT,
-                           env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while not list(ckpt.glob("ckpt-*")):  # the first epoch's checkpoint: the loop has asked
-            assert job.poll() is None and time.monotonic() < deadline, "no first checkpoint:\n" + job.stdout.read()
-            time.sleep(0.02)
-        ranks = ranks_of(job, script)
-        assert sorted(ranks) == [0, 1], f"found ranks {ranks}"
+    with _past_its_first_checkpoint("mpi", script, args, ckpt) as (job, ranks):
         helpers = sorted({pid for rank in ranks.values() for pid in descendants(rank)})
         assert len(helpers) >= 4, f"expected each rank's forkserver and 2 workers, found {helpers}"
         for pid in [*ranks.values(), *helpers]:
@@ -122,10 +122,6 @@ def test_workers_outlive_a_signal_to_every_process_and_the_rerun_is_bit_identica
             except ProcessLookupError:
                 pass
         out, _ = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
     assert "exited unexpectedly" not in out and "hvdp: preempted (SIGTERM)" in out, out[-3000:]
     assert job.returncode == 75, out[-3000:]
     steps = sorted(int(p.name[5:13]) for p in ckpt.glob("ckpt-*"))
