@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import inspect
 import math
 import os
 import time
@@ -88,32 +89,78 @@ def _fix_mmap_threshold() -> bool:
     return done
 
 
+def _reducing_optimizer(params: list) -> "ShardedOptimizer | None":
+    """The sharded optimizer, if any, between its backward pass and its step() that holds one of `params`."""
+    ids = {id(p) for p in params}
+    for opt in list(_LIVE):
+        if (opt._started or opt._synchronized) and any(i in opt._bucket_of or i in opt._owned_of for i in ids):
+            return opt
+    return None
+
+
+def _refuse_clip(opt: "ShardedOptimizer", why: str) -> None:
+    raise ConfigError(f"torch.nn.utils.clip_grad_norm_ {why} with shard_optimizer_state=True: the averaged "
+                      "gradients are in the shards and the model's .grad are None. Call optimizer.clip_grad_norm_"
+                      "(max_norm) instead (the global norm across the shards)", rank=opt._rank)
+
+
 def _guarded_clip(clip):
-    """torch.nn.utils.clip_grad_norm_, refusing the parameters of a sharded optimizer in the middle of its step:
-    their gradients went to the shards (the model's are None), so it would clip nothing, silently. Every rank
-    runs the same call, so every rank raises; nothing collective is left half done."""
+    """torch.nn.utils.clip_grad_norm_, aware of the sharded optimizers in the middle of their step (after the
+    backward pass, before step()): their gradients went to the shards (the model's are None), so torch's would
+    clip nothing, silently. Given every parameter of one such optimizer (model.parameters(): the clipping recipe
+    of the allreduce path), it is that optimizer's clip_grad_norm_ (the global norm across the shards; it reduces
+    first if synchronize() has not run) and returns its norm. Given part of them, them with another model's
+    gradients, or error_if_nonfinite=True, it raises ConfigError naming optimizer.clip_grad_norm_. Every rank
+    runs the same call, so every rank clips, or raises; nothing collective is left half done."""
+    signature = inspect.signature(clip)
+
     @functools.wraps(clip)
     def guarded(parameters, *args, **kwargs):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        ids = {id(p) for p in params}
-        for opt in list(_LIVE):
-            reducing = opt._started or opt._synchronized
-            if reducing and any(i in opt._bucket_of or i in opt._owned_of for i in ids):
-                raise ConfigError("torch.nn.utils.clip_grad_norm_ on the model's parameters clips nothing with "
-                                  "shard_optimizer_state=True: the averaged gradients are in the shards and the "
-                                  "model's .grad are None. Call optimizer.clip_grad_norm_(max_norm) instead (the "
-                                  "global norm across the shards)", rank=opt._rank)
-        return clip(params, *args, **kwargs)
+        opt = _reducing_optimizer(params)
+        if opt is None:
+            return clip(params, *args, **kwargs)
+        call = signature.bind(params, *args, **kwargs)
+        call.apply_defaults()
+        mine = set(opt._bucket_of) | set(opt._owned_of)
+        given = {id(p) for p in params}
+        if not mine <= given:
+            _refuse_clip(opt, f"on {len(mine & given)} of a sharded optimizer's {len(mine)} parameters")
+        if any(p.grad is not None for p in params if id(p) not in mine):
+            _refuse_clip(opt, "on a sharded optimizer's parameters together with others that hold gradients")
+        if call.arguments.get("error_if_nonfinite"):
+            _refuse_clip(opt, "with error_if_nonfinite=True")
+        return opt.clip_grad_norm_(call.arguments["max_norm"], norm_type=float(call.arguments["norm_type"]))
+    guarded.hvdp_guarded = True
+    return guarded
+
+
+def _guarded_scaling(scale):
+    """torch's _clip_grads_with_norm_ (what torch.nn.utils.clip_grad_norm_ calls to scale the gradients),
+    raising ConfigError for a sharded optimizer's parameters in the middle of its step: reached that way only
+    through a clip_grad_norm_ imported by name from torch before the first sharded prepare() (the guarded one
+    clips the shards itself), which found no gradient and would clip nothing."""
+    @functools.wraps(scale)
+    def guarded(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        opt = _reducing_optimizer(params)
+        if opt is not None:
+            _refuse_clip(opt, "imported by name from torch before the first sharded prepare() (or "
+                        "torch.nn.utils.clip_grads_with_norm_) clips nothing")
+        return scale(params, *args, **kwargs)
     guarded.hvdp_guarded = True
     return guarded
 
 
 def _guard_clipping() -> None:
-    """Put _guarded_clip in place of torch.nn.utils.clip_grad_norm_ (once per process; a name imported from torch
-    before the first sharded prepare() keeps torch's own)."""
+    """Put _guarded_clip in place of torch.nn.utils.clip_grad_norm_ and _guarded_scaling in place of the function
+    it scales with (once per process)."""
     import torch.nn.utils.clip_grad as clip_grad
     if not getattr(torch.nn.utils.clip_grad_norm_, "hvdp_guarded", False):
         torch.nn.utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = _guarded_clip(torch.nn.utils.clip_grad_norm_)
+    scale = getattr(clip_grad, "_clip_grads_with_norm_", None)  # torch >= 2.6
+    if scale is not None and not getattr(scale, "hvdp_guarded", False):
+        clip_grad._clip_grads_with_norm_ = _guarded_scaling(scale)
 
 
 class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
@@ -634,7 +681,9 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
     @contextlib.contextmanager
     def skip_synchronize(self):
         """For code written for the allreduce path: step() reduces the gradients once per step whether or not
-        synchronize() ran, so this context changes nothing."""
+        synchronize() ran, so this context changes nothing. The clipping recipe of that path (synchronize(),
+        torch.nn.utils.clip_grad_norm_(model.parameters(), ...), this context around step()) clips the shards:
+        see _guarded_clip."""
         yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -1011,28 +1011,69 @@ def elastic_reshard_keeps_owned_state_and_the_layout(tmp):
 
 
 @check
-def torch_clip_grad_norm_on_the_model_is_refused(tmp):
-    # torch.nn.utils.clip_grad_norm_(model.parameters()) clipped nothing on the sharded path, silently: the
-    # model's .grad are None once reduced. It raises on every rank, naming optimizer.clip_grad_norm_, after the
-    # backward pass and after synchronize(); elsewhere (before the backward pass, any other model) it is torch's.
+def torch_clip_grad_norm_on_the_model_clips_the_shards(tmp):
+    # The README's clipping recipe (synchronize(), torch.nn.utils.clip_grad_norm_(model.parameters(), ...),
+    # skip_synchronize() around step()) clipped nothing on the sharded path, silently (the model's .grad are None
+    # once reduced), and later raised. Given the whole model, after backward() or after synchronize(), it is the
+    # optimizer's clip_grad_norm_ (the global norm): the same norm and weights bit for bit as a twin clipped that
+    # way, and the weights move less than unclipped. Given part of the model, or called through torch's own
+    # function imported by name before the first sharded prepare(), it raises on every rank, naming
+    # optimizer.clip_grad_norm_. Elsewhere (before the backward pass, another model) it is torch's.
     from hvdp.core.errors import ConfigError
-    torch.manual_seed(world.rank)
-    model, other = Net(), Net()
+    original = torch.nn.utils.clip_grad_norm_
+    original = getattr(original, "__wrapped__", original)  # torch's, as `from torch.nn.utils import ...` binds it
+    max_norm, runs = 1e-3, {}
+    for how in ("recipe after backward()", "recipe after synchronize()", "optimizer", "unclipped"):
+        torch.manual_seed(0)
+        model, other = Net(), Net()
+        opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer_state=True)
+        norms = []
+        for t in range(2):
+            x, y = _batch(t, world.size, 1)
+            opt.zero_grad()
+            if t == 0 and how == "optimizer":
+                assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0  # no gradient: torch's
+                F.mse_loss(other(x[0, world.rank]), y[0, world.rank]).backward()
+                assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1e9)) > 0  # another model: torch's
+            F.mse_loss(model(x[0, world.rank]), y[0, world.rank]).backward()
+            if how == "recipe after synchronize()":
+                opt.synchronize()
+            if how.startswith("recipe"):
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+                with opt.skip_synchronize():
+                    opt.step()
+            elif how == "optimizer":
+                norms.append(float(opt.clip_grad_norm_(max_norm)))
+                opt.step()
+            else:
+                opt.step()
+        runs[how] = (norms, _flat(model))
+    ref_norms, ref = runs["optimizer"]
+    assert all(n > max_norm for n in ref_norms), ref_norms  # both steps clip
+    for how in ("recipe after backward()", "recipe after synchronize()"):
+        assert runs[how][0] == ref_norms, (how, runs[how][0], ref_norms)
+        assert torch.equal(runs[how][1], ref), f"{how}: max |dw| {(runs[how][1] - ref).abs().max().item():.3g}"
+    torch.manual_seed(0)
+    start = _flat(Net())  # the initial weights of every run above
+    moved, unclipped = (ref - start).abs().max().item(), (runs["unclipped"][1] - start).abs().max().item()
+    assert moved < unclipped, (moved, unclipped)
+    refused = []
+    torch.manual_seed(0)
+    model = Net()
     opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer_state=True)
     x, y = _batch(0, world.size, 1)
-    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0  # no gradient yet: torch's
-    F.mse_loss(other(x[0, world.rank]), y[0, world.rank]).backward()
-    assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1e9)) > 0  # not a sharded optimizer's
-    refused = []
     F.mse_loss(model(x[0, world.rank]), y[0, world.rank]).backward()
-    for when in ("after backward()", "after synchronize()"):
+    opt.synchronize()
+    for clip in (lambda: torch.nn.utils.clip_grad_norm_(list(model.parameters())[:1], max_norm),
+                 lambda: original(model.parameters(), max_norm)):
         try:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            clip()
+            refused.append("clipped")
         except ConfigError as e:
             refused.append("optimizer.clip_grad_norm_" in str(e))
-        opt.synchronize()
     opt.step()
-    assert refused == [True, True], refused
+    every = hvd.allgather_object(refused, name="clip.refused")
+    assert every == [[True, True]] * world.size, every
 
 
 @check
