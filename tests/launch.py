@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,28 @@ def result_line(output: str, prefix: str = "result: ") -> dict:
     at = output.rfind(prefix)
     assert at >= 0, f"no '{prefix}' in output:\n{output[-3000:]}"
     return json.JSONDecoder().raw_decode(output[at + len(prefix):])[0]
+
+
+TAG = re.compile(r"\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:")
+
+
+def rank_lines(output: str) -> list[tuple[int, str]]:
+    """(rank, line) for each whole line a rank wrote, from a launcher's tagged output. mpirun's --tag-output tags
+    each fragment as it arrives, so a rank's partial line (pytest's progress, a progress bar) is followed by
+    another rank's fragment on the same line and the rest of it on a later one: fragments are joined per rank
+    and stream until a newline."""
+    pending: dict[tuple[int, str], str] = {}
+    lines: list[tuple[int, str]] = []
+    for raw in output.splitlines(keepends=True):
+        tags = list(TAG.finditer(raw))
+        for i, tag in enumerate(tags):
+            key = (int(tag.group(1)), tag.group(2))
+            text = raw[tag.end():tags[i + 1].start() if i + 1 < len(tags) else len(raw)]
+            pending[key] = pending.get(key, "") + text
+            if text.endswith("\n"):
+                lines.append((key[0], pending.pop(key).rstrip("\n")))
+    lines += [(key[0], text) for key, text in pending.items() if text]
+    return lines
 
 
 def run_checks(launcher: str, worker: Path, tmp: Path, np: int = 2, timeout: float = 900,

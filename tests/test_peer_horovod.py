@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import ROOT, env, launcher_cmd
+from tests.launch import ROOT, env, launcher_cmd, rank_lines
 
 PEER = Path(os.environ.get("HVDP_PEER_DIR", ROOT.parent / "shared" / "peer" / "horovod-0.28.1"))
 DESELECT = Path(__file__).with_name("peer_deselect.txt")
@@ -42,7 +42,7 @@ SUITES = {
     "torch": (["test_torch.py"], "optimizer or broadcast_state or allreduce_average or gradient_clipping "
                                  "or dynamic_requires_grad or sparse_embeddings or join_allreduce"),
 }
-SUMMARY = re.compile(r"^\[(?:\d+,)?(\d+)\]<stdout>:=*\s*(\d+ \w+.* in [\d.]+s\b.*?)\s*=*$")
+SUMMARY = re.compile(r"^=*\s*(\d+ \w+.* in [\d.]+s\b.*?)\s*=*$")
 
 def deselected() -> dict[str, str]:
     """tests/peer_deselect.txt: {'<file>::<class>::<test>': reason}."""
@@ -99,7 +99,7 @@ def run_suite(files: list[str], launcher: str, np: int, tmp: Path, select: str |
     run_env = env(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=parallel, env=run_env)
     out = proc.stdout + proc.stderr
-    summaries = {int(m.group(1)): m.group(2) for m in map(SUMMARY.match, out.splitlines()) if m}
+    summaries = {rank: m.group(1) for rank, line in rank_lines(out) if (m := SUMMARY.match(line))}
     failures = [line for line in out.splitlines() if re.search(r"<stdout>:(SUB)?(FAILED|ERROR) ", line)]
     errors = [line for line in out.splitlines() if re.search(r"<std(out|err)>:(E |.*(Error|Fatal|Abort))", line)]
     assert proc.returncode == 0 and sorted(summaries) == list(range(np)), \

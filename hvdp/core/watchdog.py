@@ -83,6 +83,7 @@ BATCH = 256  # datagrams read per wake-up before the thread looks at the clock a
 PAUSE_SLACK = 2.0  # seconds by which the loop may overrun its interval before it counts as a pause
 MAX_NAME = 200  # characters of a collective's name a heartbeat carries
 MAX_LACKS = 8   # names of peers' collectives a heartbeat says this rank lacks
+STALE_BEATS = 3  # heartbeat intervals after which a peer's last heartbeat no longer says where it is
 MISMATCH_CONFIRM = 3.0  # seconds every rank must be seen blocked in collectives the others lack (or `timeout`)
 
 
@@ -520,6 +521,8 @@ class Watchdog:
         op, since = self.collectives.waiting()
         if op is None or self.elapsed(since, now) <= self.mismatch_limit or len(self.state) != len(self.peers) - 1:
             return ""
+        if any(now - p.heard > self.interval * STALE_BEATS for p in self.state.values()):
+            return ""  # a peer's state is old news: the silent-peer limit decides
         ranks = {self.rank: (op, since, tuple(self._lacks(op)))}
         ranks.update((r, (p.op, p.op_since, p.lacks)) for r, p in self.state.items())
         if any(o is None or self.elapsed(s, now) <= self.mismatch_limit for o, s, _ in ranks.values()):
@@ -532,15 +535,22 @@ class Watchdog:
         return "; ".join(f"rank {r} waits for {o} ({self.elapsed(s, now):.0f} s), which {_ranks(missing[r])} never submitted"
                          for r, (o, s, _) in sorted(ranks.items()))
 
-    def not_entered(self) -> str:
+    def not_entered(self, now: float | None = None) -> str:
         """Which ranks had not entered the collective the others were in, by name, from this rank's own state
-        and its peers' last heartbeats ("" when every rank in a collective has the others' submitted)."""
+        and its peers' last heartbeats ("" when every rank in a collective has the others' submitted). A peer
+        not heard from for longer than STALE_BEATS heartbeat intervals is left out of that (its last heartbeat
+        says where it was, not where it is: a host whose network is gone) and named as not heard from."""
+        now = time.monotonic() if now is None else now
+        stale = self.interval * STALE_BEATS
+        fresh = {r: p for r, p in self.state.items() if now - p.heard <= stale}
         op, _ = self.collectives.waiting()
-        current = {self.rank: op, **{r: p.op for r, p in self.state.items()}}
+        current = {self.rank: op, **{r: p.op for r, p in fresh.items()}}
         lacks = {self.rank: set(self._lacks(op)) if op is not None else
-                 {p.op for p in self.state.values() if p.op is not None} - self.collectives.names(),
-                 **{r: set(p.lacks) for r, p in self.state.items()}}
-        return describe_not_entered(not_entered(current, lacks), current)
+                 {p.op for p in fresh.values() if p.op is not None} - self.collectives.names(),
+                 **{r: set(p.lacks) for r, p in fresh.items()}}
+        unheard = "; ".join(f"rank {r} not heard from for {now - p.heard:.0f} s (its host or network may be gone)"
+                            for r, p in sorted(self.state.items()) if r not in fresh)
+        return "; ".join(filter(None, [describe_not_entered(not_entered(current, lacks), current), unheard]))
 
     def _elsewhere(self, now: float, limit: float, outside_only: bool = False) -> str:
         """Where the live peers that are not in this rank's collective are, when this rank has been blocked

@@ -285,6 +285,26 @@ def test_collectives_in_another_order_but_all_submitted_are_not_a_deadlock():
         d.stop()
 
 
+def test_a_peer_not_heard_from_is_named_so_not_placed_by_its_last_heartbeat():
+    """A host whose link is cut (CI, tests/multihost): rank 1's last heartbeat, sent at start-up, said it was in
+    the settings all-gather; 10 s later rank 0's record of the failure said "rank 0 had not entered
+    allgather.hvdp.settings.sz, which rank 1 is in". A heartbeat older than a few intervals says where a rank
+    was: it is named as not heard from, and no mismatch is concluded from it; fresh, it places the rank."""
+    from hvdp.core.watchdog import PeerState
+    dogs, _, _ = pair(timeout=60, elsewhere_timeout=60)
+    blocked_in(dogs[0], "allreduce.fc.weight")
+    now = time.monotonic() + 10  # rank 0 has waited 10 s
+    for heard, expected in ((now - 10, "rank 1 not heard from for 10 s"), (now - 0.01, "had not entered")):
+        dogs[0].state[1] = PeerState(step=0, heard=heard, op="allgather.hvdp.settings.sz", op_since=heard - 5,
+                                     lacks=("allreduce.fc.weight",))
+        text = dogs[0].not_entered(now)
+        assert expected in text, text
+        assert ("allgather.hvdp.settings.sz" in text) == (expected == "had not entered"), text
+        assert bool(dogs[0]._deadlock(now)) == (expected == "had not entered")  # a deadlock only when fresh
+    for d in dogs:
+        d.sock.close()
+
+
 def test_peer_outside_any_collective_keeps_the_long_limit_and_is_named_with_its_phase():
     """issue 36: rank 0 waits in allgather_object while rank 1 is stuck in its DataLoader: a warning after
     the silent-peer limit, the end after the elsewhere limit, each naming where both ranks are."""
