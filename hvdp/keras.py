@@ -37,7 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdp import _keras_backend, _keras_rank0, _keras_stop, _preemption
+from hvdp import _keras_backend, _keras_data, _keras_rank0, _keras_stop, _preemption
 from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import ConfigError, HvdpError
 from hvdp.core.world import World
@@ -160,7 +160,9 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
     Its batches are (x, y, sample_weight): the weights (hvdp.tensorflow.shard's `weights`) are 1.0 except in
     an epoch's last, partial step, where they make that step one process's step on the same samples
     (callbacks(data=...) matches them to the optimizer's backward_passes_per_step). Data with its own
-    sample weights, (x, y, sw), gets sw times them; data of one array (x) gets none.
+    sample weights, (x, y, sw), gets sw times them; data of one array (x) gets none. They are shaped
+    (b, 1, ..., 1) to each target's rank, so per-timestep and per-pixel losses are weighted along the batch
+    axis, and fit(class_weight=...) multiplies Keras's class weights into them (hvdp/_keras_data.py).
 
     Args:
         data: an array, a tuple of arrays (x, y), a finite tf.data.Dataset of samples, file paths with
@@ -178,14 +180,18 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
         ConfigError: see hvdp.tensorflow.shard (ranks with other data or settings, empty or infinite data, a
             batch size that does not fit).
     """
+    seen: dict = {}  # whether the data carried its own sample weights (_keras_data.finisher)
     dataset = _shard(data, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, map=map,
                      num_parallel_calls=num_parallel_calls, weights=sample_weights, passes=1,
-                     finish=_as_sample_weights if sample_weights else None,
+                     finish=_keras_data.finisher(seen) if sample_weights else None,
                      horovod=_keras_backend.initialised_horovod() if _keras_backend.on_torch() else None)
     position, batches = dataset.hvdp_position, dataset
     # Keras needs the number of batches to show progress and to end each epoch.
     dataset = watched(batches.apply(tf.data.experimental.assert_cardinality(position.plan.steps_per_epoch)))
+    if sample_weights:  # fit(class_weight=...) folds the class weights into hvdp's
+        dataset = _keras_data.accept_class_weight(dataset, seen, watched)
     dataset.hvdp_position = position
+    dataset.hvdp_seen = seen
     dataset.hvdp_batches = batches  # unsized: ElasticState sizes it for the rest of an epoch in a changed world
     return dataset
 
@@ -193,26 +199,6 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
 def _hvd():
     """The horovod module of Keras's backend: horovod.torch on torch, horovod.tensorflow otherwise."""
     return _keras_backend.horovod()
-
-
-def _as_sample_weights(*element):
-    """A batch with hvdp's weights last, as fit takes it: (x, y, w), (x, y, sw * w), or x alone."""
-    *sample, weight = element
-    if len(sample) == 2:
-        y = sample[1]
-        return (*sample, _along_batch(weight, y) if isinstance(y, tf.Tensor) else weight)
-    if len(sample) == 3:
-        sw = sample[2]
-        return (*sample[:2], sw * _along_batch(tf.cast(weight, sw.dtype), sw))
-    return sample[0] if len(sample) == 1 else tuple(sample)
-
-
-def _along_batch(weight, like):
-    """The per-sample `weight` (shape (b,)) shaped (b, 1, ..., 1) to the rank of `like` (y, or the user's own
-    weights): it then scales each sample's per-timestep or per-pixel losses along the batch axis (Keras squeezes
-    a trailing 1 where the loss has one value per sample), never a wrong axis."""
-    ones = tf.ones([tf.maximum(tf.rank(like) - 1, 0)], tf.int32)
-    return tf.reshape(weight, tf.concat([tf.shape(weight), ones], 0))
 
 
 class _RankZeroProgbar(keras.callbacks.ProgbarLogger):

@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdp import _horovod, _keras_backend
+from hvdp import _horovod, _keras_backend, _keras_data
 from hvdp.core.errors import ConfigError
 from hvdp.core.scaling import lr_multiplier
 from hvdp.tensorflow.collectives import _build_optimizer
@@ -164,7 +164,9 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         epoch, offset = self.position
         position.set(epoch, 0, offset)
         steps = position.plan.steps_for(position.plan.n - offset)
-        return watched(self.data.hvdp_batches.apply(tf.data.experimental.assert_cardinality(steps))), offset
+        rest = watched(self.data.hvdp_batches.apply(tf.data.experimental.assert_cardinality(steps)))
+        seen = getattr(self.data, "hvdp_seen", None)
+        return (rest if seen is None else _keras_data.accept_class_weight(rest, seen, watched)), offset
 
     def _advance(self, epoch: int, offset: int, steps: int) -> None:
         """Record that `steps` batches of `epoch` from `offset` were trained on (the next epoch once all were)."""

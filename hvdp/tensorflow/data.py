@@ -50,28 +50,68 @@ class ShardPosition:
         return begun
 
 
-def _as_arrays(data) -> tuple[np.ndarray, ...]:
+_BATCHING = ("_BatchDataset", "_PaddedBatchDataset", "_ParallelBatchDataset", "BatchDataset", "PaddedBatchDataset")
+
+
+def _batched_by(dataset: tf.data.Dataset) -> str | None:
+    """The batching transformation whose batches `dataset` yields (its nearest .batch() or .padded_batch() not
+    undone by an .unbatch() after it), or None: read from tf.data's chain of input datasets."""
+    while dataset is not None:
+        name = type(dataset).__name__
+        if name == "_UnbatchDataset":
+            return None
+        if name in _BATCHING:
+            return "padded_batch" if "Padded" in name else "batch"
+        dataset = getattr(dataset, "_input_dataset", None)
+    return None
+
+
+def _nested(value, top: bool = False):
+    """`value` with its leaves as numpy arrays: tuples and dicts (and lists of arrays, or the top-level list)
+    stay the structure, anything else (an array, a list of numbers or file paths) is a leaf."""
+    if isinstance(value, dict):
+        return {k: _nested(v) for k, v in value.items()}
+    if isinstance(value, tuple) or (isinstance(value, list) and (top or (value and all(
+            isinstance(v, (np.ndarray, tf.Tensor, tuple, dict)) for v in value)))):
+        return tuple(_nested(v) for v in value)
+    return np.asarray(value)
+
+
+def _as_structure(data) -> tuple[tuple, tuple[np.ndarray, ...]]:
+    """`data` as (structure, arrays): the structure of one sample (a tuple at the top, nested tuples and dicts
+    within, as tf.nest packs them) and its leaves' arrays, one entry per sample each, in tf.nest's order.
+    (x, (y1, y2)) and ({"a": xa, "b": xb}, y) keep their nesting; an array alone is the tuple (x,)."""
     if isinstance(data, tf.data.Dataset):
         if data.cardinality() == tf.data.INFINITE_CARDINALITY:
             raise ConfigError("shard() needs a finite dataset of samples (not batches, not repeated): its "
                               "samples are indexed by the epoch order; remove .repeat()")
+        batched = _batched_by(data)
+        if batched is not None:
+            raise ConfigError(f"shard() needs a dataset of samples, and this one is batched (.{batched}() in its "
+                              f"pipeline): shard() batches it itself, batch_size samples per rank. Remove the "
+                              f".{batched}() (or pass the unbatched dataset) and give the batch size to shard()")
         # Random access by index is what makes the order exact: read the (unbatched) samples once.
-        items = list(data.as_numpy_iterator())
+        items = [it if isinstance(it, tuple) else (it,) for it in data.as_numpy_iterator()]
         if not items:
             raise ConfigError("shard() got an empty dataset")
-        first = items[0]
-        if isinstance(first, tuple):
-            return tuple(np.stack([it[j] for it in items]) for j in range(len(first)))
-        return (np.stack(items),)
-    if isinstance(data, (tuple, list)):
-        arrays = tuple(np.asarray(a) for a in data)
-    else:
-        arrays = (np.asarray(data),)
-    lengths = {len(a) for a in arrays}
+        columns = list(zip(*(tf.nest.flatten(it) for it in items)))
+        arrays = []
+        for j, column in enumerate(columns):
+            shapes = sorted({np.shape(c) for c in column})
+            if len(shapes) > 1:
+                raise ConfigError(f"shard() needs samples of one shape per element, and element {j} of the "
+                                  f"dataset's samples has shapes {shapes[:4]}: pad them to one shape (or, if the "
+                                  f"dataset is already batched, remove its batching: shard() batches)")
+            arrays.append(np.stack(column))
+        return items[0], tuple(arrays)
+    structure = _nested(data, top=True)
+    structure = structure if isinstance(structure, tuple) else (structure,)
+    arrays = tuple(tf.nest.flatten(structure))
+    lengths = {len(a) if a.ndim else 0 for a in arrays}
     if len(lengths) != 1:
-        raise ConfigError(f"shard() got arrays of different lengths {[len(a) for a in arrays]}; "
+        raise ConfigError(f"shard() got arrays of different lengths {[len(a) if a.ndim else 0 for a in arrays]}; "
                           f"inputs and labels need one entry per sample")
-    return arrays
+    return structure, arrays
 
 
 def _arrays_fingerprint(arrays) -> str:
@@ -87,19 +127,30 @@ def _arrays_fingerprint(arrays) -> str:
     return fingerprint_of(parts)
 
 
-def _agree_on_arrays(horovod, data, *, call: str, **settings) -> tuple[np.ndarray, ...]:
-    """`data` as arrays (_as_arrays), once every rank holds the same: the same number of samples and
+def _agree_on_arrays(horovod, data, *, call: str, shape: list | None = None, **settings) -> tuple[np.ndarray, ...]:
+    """`data` as arrays (_as_structure's leaves), once every rank holds the same: the same number of samples and
     _arrays_fingerprint, and the same `settings`; else ConfigError on every rank, naming the rank and the value
     (shard()'s check, also evaluate()'s: `call` names the function). An error in reading `data` on one rank is
-    raised on every rank. One small all-gather; every rank must call it."""
+    raised on every rank. One small all-gather; every rank must call it. `shape`, a list, gets the structure of
+    one sample appended (_as_structure)."""
     arrays: list = []
 
     def mine() -> dict:
-        arrays.extend(_as_arrays(data))
+        structure, leaves = _as_structure(data)
+        arrays.extend(leaves)
+        if shape is not None:
+            shape.append(structure)
         return {**settings, "samples": len(arrays[0]), "fingerprint": _arrays_fingerprint(arrays)}
 
     agree(horovod, mine, call=call)
     return tuple(arrays)
+
+
+def _packer(structure: tuple):
+    """A function of a sample's flat leaves (as _as_structure orders them) to the sample's `structure`, a tuple."""
+    if all(not isinstance(part, (tuple, dict)) for part in structure):
+        return tuple
+    return lambda leaves: tuple(tf.nest.pack_sequence_as(structure, list(leaves)))
 
 
 def _gatherer(arrays):
@@ -201,8 +252,10 @@ def _shard(data, *, batch_size, shuffle, seed, drop_last, map, num_parallel_call
         fingerprint = fingerprint_of([repr((list(data.paths), data.counts())).encode()])
         agree(horovod, lambda: {**settings, "samples": n, "fingerprint": fingerprint}, call="shard()")
     else:
-        arrays = _agree_on_arrays(horovod, data, call="shard()", **settings)
-        n, samples = len(arrays[0]), _gatherer(arrays)
+        shape: list = []
+        arrays = _agree_on_arrays(horovod, data, call="shard()", shape=shape, **settings)
+        gather, pack = _gatherer(arrays), _packer(shape[0])
+        n, samples = len(arrays[0]), (gather if pack is tuple else lambda idx: pack(gather(idx)))
         del arrays
     plan = ShardPlan(n=n, batch_size=batch_size, rank=w.rank, size=w.size, seed=seed, shuffle=shuffle,
                      drop_last=drop_last)

@@ -416,19 +416,19 @@ def losses_that_are_not_a_per_sample_mean_refused_before_the_first_step(tmp):
 # ------------------------------------------------------------------------ against one process with the global batch
 
 def _against_one_process(build, build_reference, data, *, epochs=2, seed=3, reference_dtype="float32",
-                         compile_kw=None, label):
+                         compile_kw=None, class_weight=None, label):
     """fit build("float32") on every rank (rank-dependent initial weights, fixed by the broadcast), then rank 0
     trains build_reference(reference_dtype) from the same initial weights as one process with batch size*BATCH in
-    the same order at the scaled rate.
+    the same order at the scaled rate. `data` is (x, y) or (x, y, sample weights); `class_weight` goes to both.
     Returns (model, reference or None, max |dw| on rank 0 or None)."""
-    x, y = data
+    x, y, *sw = data
     keras.utils.set_random_seed(seed + 1000 * world.rank)
     model = build("float32")
     initial = model.get_weights()
     model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)), loss=LOSS,
                   **(compile_kw or {}))
-    train = hk.shard((x, y), batch_size=BATCH, seed=seed)
-    model.fit(train, epochs=epochs, verbose=0, callbacks=hk.callbacks(data=train))
+    train = hk.shard(data, batch_size=BATCH, seed=seed)
+    model.fit(train, epochs=epochs, verbose=0, callbacks=hk.callbacks(data=train), class_weight=class_weight)
     _replicas_identical(model, label)
     if world.rank != 0:
         return model, None, None
@@ -438,7 +438,8 @@ def _against_one_process(build, build_reference, data, *, epochs=2, seed=3, refe
     plan = ShardPlan(n=len(x), batch_size=BATCH * world.size, seed=seed)
     for epoch in range(epochs):
         for idx in plan.batches(epoch=epoch):
-            reference.train_on_batch(x[idx].astype(reference_dtype), y[idx])
+            reference.train_on_batch(x[idx].astype(reference_dtype), y[idx], class_weight=class_weight,
+                                     sample_weight=sw[0][idx].astype(reference_dtype) if sw else None)
     # relative where a weight is large (a moving mean near the inputs' mean): float32 holds 7 digits of it
     diff = max(float(np.max(np.abs(a - b) / np.maximum(1.0, np.abs(b))))
                for a, b in zip(model.get_weights(), reference.get_weights()))
@@ -447,6 +448,57 @@ def _against_one_process(build, build_reference, data, *, epochs=2, seed=3, refe
           f"({reference_dtype}) = {diff:.3g} (weights moved {moved:.3g})", file=sys.stderr, flush=True)
     assert moved > 1e-2, moved  # training changed the weights: the comparison means something
     return model, reference, diff
+
+
+# ---------------------------------------- row 6: sample weights along the batch axis of per-token/per-pixel losses
+
+def _tagger(dtype):  # a per-token classifier (5 tokens of 7 kinds, 3 tags)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Embedding(7, 4, dtype=dtype),
+                             keras.layers.GRU(4, return_sequences=True, dtype=dtype), keras.layers.Dense(3, dtype=dtype)])
+
+
+def _classifier(dtype):
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh", dtype=dtype),
+                             keras.layers.Dense(3, dtype=dtype)])
+
+
+def _segmenter(dtype):  # a per-pixel classifier of 6x6 images (2 classes)
+    return keras.Sequential([keras.Input((6, 6, 1)), keras.layers.Conv2D(4, 3, padding="same", activation="tanh",
+                                                                         dtype=dtype),
+                             keras.layers.Conv2D(2, 1, dtype=dtype)])
+
+
+@check
+def sample_weights_follow_the_rank_of_y_and_class_weight_folds_in(tmp):
+    # Before: shard()'s (b,) weights met per-token losses (b, 5) on the wrong axis (torch: 'size of tensor a (5)
+    # must match b (4)'), and fit(class_weight=...) was Keras's 'cannot class_weight and sample_weight'. Each
+    # against one process with the global batch, the epochs' short last step included (n = 6 global batches + 3).
+    n = STEPS * world.size * BATCH + 3
+    rng = np.random.default_rng(5)
+    tokens, tags = rng.integers(0, 7, (n, 5)), rng.integers(0, 3, (n, 5))
+    lengths = rng.integers(1, 6, n)
+    valid = (np.arange(5)[None, :] < lengths[:, None]).astype(np.float32)  # the user's per-token weights
+    images = rng.standard_normal((n, 6, 6, 1)).astype(np.float32)
+    masks = (images[..., 0] + 0.3 * rng.standard_normal((n, 6, 6)) > 0).astype(np.int64)
+    x, y = _data(n=n)
+    cases = {"tagger with per-token weights": (_tagger, (tokens, tags, valid), None),
+             "tagger": (_tagger, (tokens, tags), None),
+             "segmentation": (_segmenter, (images, masks), None),
+             "class_weight": (_classifier, (x, y), {0: 1.0, 1: 2.5, 2: 0.5})}
+    for label, (build, data, class_weight) in cases.items():
+        _, _, diff = _against_one_process(build, build, data, class_weight=class_weight, label=label)
+        if world.rank == 0:
+            assert diff <= 1e-5, (label, diff)
+    # class_weight with the user's own weights: refused, as one process refuses it
+    model = _model()
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=LOSS)
+    data = hk.shard((x, y, np.ones(n, np.float32)), batch_size=BATCH)
+    try:
+        model.fit(data, epochs=1, verbose=0, class_weight={0: 2.0}, callbacks=hk.callbacks(data=data))
+    except hk.HvdpError as e:
+        assert "class_weight" in str(e) and "sw * class_weight[y]" in str(e), e
+    else:
+        raise AssertionError("class_weight with the data's own sample weights was not refused")
 
 
 # ------------------------------------------------------------ row 4: SyncBatchNormalization at large input means
