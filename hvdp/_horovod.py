@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hvdp import _workers
+from hvdp import _output, _workers
 from hvdp.core import checkpoint as ckpt
 from hvdp.core import errors as _errors
 from hvdp.core.consistency import failure, settings_mismatch
@@ -57,6 +57,8 @@ def init(framework: str, timeline: str | None = None):
     """
     hvd = import_horovod(framework)
     launcher = detect_launcher()
+    if launcher != "python (single process)":
+        _output.whole_lines()  # the launcher tags what it reads: a rank's lines must leave it whole
     if (launcher.startswith("mpirun") or launcher == "horovodrun (mpi)") and not hvd.mpi_built():
         raise SetupError(
             f"launched by {launcher}, but this Horovod was built without MPI: rebuild it with "
@@ -389,6 +391,7 @@ def _end_job(message: str) -> None:
                 pass
     except Exception:  # noqa: BLE001 - ending the job must not fail
         pass
+    _output.close_lines()
     os._exit(WATCHDOG_EXIT_CODE)
 
 
