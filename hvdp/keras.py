@@ -37,7 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdp import _keras_backend, _keras_data, _keras_rank0, _keras_stop, _preemption
+from hvdp import _keras_backend, _keras_checks, _keras_data, _keras_rank0, _keras_stop, _preemption
 from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import ConfigError, HvdpError
 from hvdp.core.world import World
@@ -305,7 +305,10 @@ class DistributedCallback(keras.callbacks.Callback):
                               "step: build it first (start it with keras.Input(shape) or call model.build(shape))",
                               rank=hvd.rank())
         if hvd.size() > 1:
-            _refuse_inexact_losses(model, hvd.rank())
+            _keras_checks.refuse_inexact_losses(model, hvd.rank())
+        if self.data is not None:  # fit's epochs are the shard's, or its position would not be fit's
+            _keras_checks.refuse_other_steps((self.params or {}).get("steps"),
+                                             self.data.hvdp_position.plan.steps_per_epoch, hvd)
         if model.jit_compile:
             # Horovod's collectives are not XLA ops: rebuild the step without XLA (fit looks it up every step).
             model.jit_compile = False
@@ -318,6 +321,8 @@ class DistributedCallback(keras.callbacks.Callback):
         fit_list = fit_list.callbacks if isinstance(fit_list, keras.callbacks.CallbackList) else None
         if fit_list is not None:  # Keras's own writers given to fit directly: rank 0 only, or refused
             _keras_rank0.wrap_in_fit(fit_list, self, hvd.rank())
+            _keras_checks.scale_lr_schedulers(fit_list, optimizer, hvd.rank())  # absolute rates keep the x N
+        _keras_checks.mark_fitting(optimizer)
         self._agree_on_stop(optimizer, fit_list)
         self._fitting, self._train_results = True, None
         self.resumed = (load_checkpoint(self.checkpoint_dir, model, optimizer, self.data)
@@ -440,50 +445,6 @@ class DistributedCallback(keras.callbacks.Callback):
         if self.checkpoint_dir:
             save_checkpoint(self.checkpoint_dir, self.model, self.model.optimizer, epoch=epoch + 1, step=0,
                             global_step=int(self.model.optimizer.iterations), keep=self.keep)
-
-
-_PER_SAMPLE_MEAN = ("sum_over_batch_size", "mean")
-
-
-def _refuse_inexact_losses(model, rank: int) -> None:
-    """ConfigError, before the first step (the same model on every rank: every rank raises), for a loss that is
-    not a per-sample mean over this rank's batch, whose average over the ranks is then not one process's loss
-    on the global batch (issue 50 row 5): a compiled Loss with reduction "sum" or "mean_with_sample_weight" (a
-    per-rank divisor), an output that carries a Keras mask into the loss (the mean over each rank's own
-    valid tokens), a layer's activity_regularizer (a penalty on each rank's batch, added as it is)."""
-    import keras.src.tree as tree
-
-    for loss in tree.flatten(model.loss) if model.loss is not None else []:
-        reduction = getattr(loss, "reduction", "sum_over_batch_size")
-        if isinstance(loss, keras.losses.Loss) and reduction not in _PER_SAMPLE_MEAN:
-            raise ConfigError(
-                f"the compiled loss {type(loss).__name__}(reduction={reduction!r}) is not a per-sample mean over "
-                f"the batch: averaged over the ranks it is not one process's loss on the global batch (with "
-                f"'sum' the step is 1/size of it; with 'mean_with_sample_weight' each rank divides by its own "
-                f"weights). Compile with reduction='sum_over_batch_size' (the default); put any normalisation in "
-                f"the sample weights", rank=rank)
-    regularized = [layer.name for layer in model._flatten_layers(include_self=False)
-                   if getattr(layer, "activity_regularizer", None) is not None]
-    if regularized:
-        raise ConfigError(
-            f"layer(s) {regularized} have an activity_regularizer: its penalty is taken on each rank's batch and "
-            f"added to the loss as it is, so the ranks' average is not one process's penalty on the global batch. "
-            f"Use a kernel_regularizer, or add the penalty to the loss as a per-sample mean (a custom loss "
-            f"returning each sample's value)", rank=rank)
-    # a functional or Sequential model's symbolic outputs hold their masks (a subclassed model has none to see)
-    outputs = getattr(model, "outputs", None) if getattr(model, "_is_graph_network", True) else None
-    try:
-        outputs = tree.flatten(outputs) if outputs else []
-    except (AttributeError, ValueError):
-        outputs = []
-    if any(getattr(o, "_keras_mask", None) is not None for o in outputs):
-        raise ConfigError(
-            "the model's output carries a Keras mask (Masking, Embedding(mask_zero=True) with return_sequences): "
-            "the loss is then the mean over each rank's own valid tokens, and the ranks' average is not one "
-            "process's mean over the global batch's valid tokens. Drop the mask before the output (a layer that "
-            "does not pass it on) and pass per-token sample weights, 1 on valid tokens and 0 elsewhere: the loss "
-            "is then the weighted sum over the batch's tokens divided by their number, the same divisor on every "
-            "rank, so N ranks equal one process", rank=rank)
 
 
 def _discard_accumulated(optimizer) -> None:

@@ -9,7 +9,7 @@ import warnings
 import tensorflow as tf
 import keras
 
-from hvdp import _horovod, _keras_backend, _keras_stop
+from hvdp import _horovod, _keras_backend, _keras_checks, _keras_stop
 from hvdp.core.errors import ConfigError
 from hvdp.core.scaling import learning_rate, lr_multiplier
 from hvdp.tensorflow.gradients import _check_compression
@@ -282,9 +282,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 the optimizer (default None: the variables it was built with).
 
         Raises:
-            ConfigError: the first call has no `trainable_variables`.
+            ConfigError: the first call has no `trainable_variables`; the first call runs inside Keras's model.fit
+                in a world of 2+ ranks without hvdp.keras.callbacks() (nothing broadcast rank 0's weights).
         """
         grads = list(grads)
+        if not self.built or not getattr(self, "_hvdp_checked_fit", False):  # first call: a fit without callbacks
+            self._hvdp_checked_fit = True
+            w = _keras_backend.ensure_init()
+            _keras_checks.refuse_fit_without_callbacks(self, w.size, w.rank)
         if not self.built:
             if trainable_variables is None:
                 raise ConfigError("DistributedOptimizer.apply needs trainable_variables on its first call")

@@ -79,7 +79,7 @@ else:
     hvd = hk.hvd
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
     model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
-    model.fit(np.ones((8, 8)), np.ones((8, 4)), epochs=1, verbose=0)
+    model.fit(np.ones((8, 8)), np.ones((8, 4)), epochs=1, verbose=0, callbacks=hk.callbacks())
 
     def save(directory, step):
         return hk.save_checkpoint(directory, model, model.optimizer, epoch=0, step=0, global_step=step)

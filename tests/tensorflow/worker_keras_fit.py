@@ -501,6 +501,112 @@ def sample_weights_follow_the_rank_of_y_and_class_weight_folds_in(tmp):
         raise AssertionError("class_weight with the data's own sample weights was not refused")
 
 
+# ------------------------------- rows 9 and 11: fit's arguments, schedulers and data checked before the first step
+
+def _refused_before_step_zero(model, run, *named):
+    """run() raises a ConfigError naming each of `named` (inside a traced step TensorFlow may wrap it), and the
+    model took no step."""
+    try:
+        run()
+    except Exception as e:  # noqa: BLE001 - a traced step's error may come wrapped (StagingError)
+        assert "ConfigError" in f"{type(e).__name__} {e}" or isinstance(e, hk.HvdpError), e
+        assert all(part in str(e) for part in named), (named, e)
+    else:
+        raise AssertionError(f"not refused: {named}")
+    assert int(model.optimizer.iterations) == 0, int(model.optimizer.iterations)
+
+
+@check
+def steps_per_epoch_batched_data_and_missing_callbacks_refused_before_the_first_step(tmp):
+    # Before: steps_per_epoch=len // (b*size) cut the shard's 7-batch epochs into fit's 6 (epochs of [6, 1, 6, 1]
+    # batches, a checkpoint at 'epoch 2, step 0' with a batch left); fit without callbacks() trained each rank from
+    # its own initial weights; a batched dataset became 'samples' of whole batches (or a numpy ValueError).
+    n = STEPS * world.size * BATCH + 3
+    x, y = _data(n=n)
+    data = hk.shard((x, y), batch_size=BATCH)
+    model = _model(seed=world.rank)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=LOSS)
+    _refused_before_step_zero(model, lambda: model.fit(data, epochs=2, steps_per_epoch=n // (BATCH * world.size),
+                                                       verbose=0, callbacks=hk.callbacks(data=data)),
+                              f"steps_per_epoch={n // (BATCH * world.size)}", f"{STEPS + 1} batches")
+    if world.size > 1:  # nothing to diverge in a world of one
+        _refused_before_step_zero(model, lambda: model.fit(data, epochs=1, verbose=0), "hvdp.keras.callbacks()")
+    import tensorflow as tf
+    batched = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    for label, dataset in (("batch", batched.prefetch(2)), ("padded_batch", tf.data.Dataset.range(9).padded_batch(3))):
+        try:
+            hk.shard(dataset, batch_size=BATCH)
+        except hk.HvdpError as e:
+            assert f".{label}()" in str(e) and "shard() batches" in str(e), e
+        else:
+            raise AssertionError(f"a dataset batched by .{label}() was not refused")
+    # fit(steps_per_epoch=) equal to the shard's length trains
+    model.fit(data, epochs=1, steps_per_epoch=STEPS + 1, verbose=0, callbacks=hk.callbacks(data=data))
+    assert int(model.optimizer.iterations) == STEPS + 1
+
+
+class _Rates(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+
+@check
+def learning_rate_scheduler_keeps_the_scaling_and_nested_data_equals_one_process(tmp):
+    # Before: a schedule returning absolute rates set them unscaled (0.1 -> 0.05 per sample at np=2), and nested
+    # data (x, (y1, y2)) was merged by np.stack into one target, then a structure error.
+    x, y = _data()
+    schedules = {"absolute": (lambda epoch: 0.1 if epoch == 0 else 0.02, [0.1, 0.02]),
+                 "relative": (lambda epoch, lr: lr * 0.5, [0.025, 0.0125])}
+    for label, (schedule, rates) in schedules.items():
+        model = _model()
+        model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=LOSS)
+        data = hk.shard((x, y), batch_size=BATCH)
+        recorded = _Rates()
+        model.fit(data, epochs=2, verbose=0, callbacks=[*hk.callbacks(data=data),
+                                                        keras.callbacks.LearningRateScheduler(schedule), recorded])
+        assert np.allclose(recorded.rates, [r * world.size for r in rates], rtol=1e-6), (label, recorded.rates)
+    # with a warmup the rate is a schedule Keras cannot set: refused with the fix
+    model = _model()
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05), warmup_steps=3), loss=LOSS)
+    _refused_before_step_zero(model, lambda: model.fit(data, epochs=1, verbose=0, callbacks=[
+        *hk.callbacks(data=data), keras.callbacks.LearningRateScheduler(lambda epoch: 0.1)]), "warmup_steps=3",
+        "LearningRateSchedule")
+    # multi-input, multi-output data through shard, from a nested tf.data dataset, against one process
+    import tensorflow as tf
+    n = STEPS * world.size * BATCH + 3
+    xa, y1 = _data(n=n, seed=7)
+    xb, y2 = np.random.default_rng(8).standard_normal((n, 2, 3)).astype(np.float32), xa[:, :4] * 2
+
+    def build():
+        a, b = keras.Input((6,), name="a"), keras.Input((2, 3), name="b")
+        h = keras.layers.Concatenate()([a, keras.layers.Flatten()(b)])
+        h = keras.layers.Dense(8, activation="tanh")(h)
+        return keras.Model({"a": a, "b": b}, (keras.layers.Dense(3)(h), keras.layers.Dense(4)(h)))
+    keras.utils.set_random_seed(3 + 1000 * world.rank)
+    model = build()
+    initial = model.get_weights()
+    losses = (LOSS, keras.losses.MeanSquaredError())
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)), loss=losses)
+    train = hk.shard(tf.data.Dataset.from_tensor_slices(({"a": xa, "b": xb}, (y1, y2))), batch_size=BATCH, seed=3)
+    model.fit(train, epochs=2, verbose=0, callbacks=hk.callbacks(data=train))
+    _replicas_identical(model, "nested")
+    if world.rank == 0:
+        reference = build()
+        reference.set_weights(initial)
+        reference.compile(optimizer=keras.optimizers.SGD(0.05 * world.size, momentum=0.9), loss=losses)
+        for epoch in range(2):
+            for idx in ShardPlan(n=n, batch_size=BATCH * world.size, seed=3).batches(epoch=epoch):
+                reference.train_on_batch({"a": xa[idx], "b": xb[idx]}, (y1[idx], y2[idx]))
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights()))
+        print(f"[rank 0] {keras.backend.backend()} nested multi-input/multi-output: max |dw| against one process = "
+              f"{diff:.3g}", file=sys.stderr, flush=True)
+        assert diff <= 1e-5, diff
+
+
 # ------------------------------------------------------------ row 4: SyncBatchNormalization at large input means
 
 def _normalised(layer):
