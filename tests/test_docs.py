@@ -128,10 +128,28 @@ def test_relative_link(page, target):
 
 
 def test_readme_is_the_front_door():
+    # issue 49: what hvdp is and its status, install, one horovodrun line, the two snippets, features, links;
+    # how to test and develop is CONTRIBUTING.md's, with one line here that still names the test command
     readme = (ROOT / "README.md").read_text()
-    assert len(readme.splitlines()) <= 150, "the README is the front door: details go to docs/"
+    assert len(readme.splitlines()) <= 130, "the README is the front door: details go to docs/"
     for page in (ROOT / "docs").glob("*.md"):
         assert f"docs/{page.name}" in readme, f"docs/{page.name} is not in the README's table"
+    headings = re.findall(r"^## (.+)$", readme, re.M)
+    assert headings == ["Install", "Run", "PyTorch", "Keras 3", "What you get", "Where to read next"], headings
+    intro = readme[:readme.index("## Install")]
+    assert len(intro.strip().splitlines()) <= 10, intro
+    status = intro[intro.index("**Status:**"):]
+    pinned = re.search(r"^horovod==([\d.]+)$", (ROOT / "constraints.txt").read_text(), re.M).group(1)
+    for said in ("tested on CPUs", "docs/support.md", "not run on a GPU", "docs/gpus.md", f"Horovod {pinned}"):
+        assert said in status, f"the README's status line does not say {said!r}"
+    install = [b.code for b in blocks(ROOT / "README.md") if b.lang == "bash"]
+    assert [re.findall(r"^(pip install|hvdp build-horovod|hvdp doctor)\b", b, re.M) for b in install][0] == \
+        ["pip install", "hvdp build-horovod", "hvdp doctor"], install
+    assert sum(line.lstrip().startswith("horovodrun ") for b in install for line in b.splitlines()) == 1, install
+    assert "`make test`" in readme and "CONTRIBUTING.md#tests" in readme, "the README must name the test command"
+    assert "make test" in (ROOT / ".ci" / "run").read_text()  # the command the README names is what CI runs
+    contributing = (ROOT / "CONTRIBUTING.md").read_text()
+    assert "`make test` is the test command" in contributing and "make train" in contributing
 
 
 def test_slug_matches_github():
