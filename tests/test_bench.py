@@ -12,7 +12,7 @@ from tests.launch import BIN, ROOT, env, result_line, run
 
 def test_bench_quick_writes_json_and_png(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    proc = subprocess.run([str(BIN / "hvdp"), "bench", "--quick", "--steps", "2", "--rounds", "3", "--models", "cnn",
+    proc = subprocess.run([str(BIN / "hvdp"), "bench", "--quick", "--steps", "2", "--rounds", "2", "--models", "cnn",
                            "--frameworks", "torch,tensorflow",
                            "--json", str(out), "--plot", str(png)],
                           capture_output=True, text=True, cwd=ROOT, env=env(), timeout=900)
@@ -28,14 +28,15 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     assert cnn["fraction_of_independent"]["hvdp"] == (cnn["samples_per_sec_per_rank"]["hvdp"]
                                                       / cnn["independent_samples_per_sec_per_rank"])
     assert report["steps_per_repetition"] == 2
-    # every job took 3 turns; each ratio is the median of the rounds' ratios, with its interval around it
-    assert report["rounds"] == 3 and all(len(v) == 3 for v in cnn["rounds_per_rank"].values())
+    # every job took 2 turns (the fewest a median and an interval are made of: hvdp.tools.rotation's tests take
+    # the statistics at other sizes); each ratio is the median of the rounds' ratios, with its interval around it
+    assert report["rounds"] == 2 and all(len(v) == 2 for v in cnn["rounds_per_rank"].values())
     per_round = cnn["ratios_per_round"]["hvdp_vs_ddp"]
     assert per_round == [a / b for a, b in zip(cnn["rounds_per_rank"]["hvdp"], cnn["rounds_per_rank"]["ddp"])]
-    assert training["hvdp_vs_ddp"] == sorted(per_round)[1]
+    assert training["hvdp_vs_ddp"] == statistics.median(per_round)
     low, high = cnn["ratio_intervals"]["hvdp_vs_ddp"]
-    assert (low, high) == (min(per_round), max(per_round)) and cnn["interval_coverage"] == 0.75  # n=3: 1 - 2/8
-    assert cnn["samples_per_sec_per_rank"]["hvdp"] == sorted(cnn["rounds_per_rank"]["hvdp"])[1]
+    assert (low, high) == (min(per_round), max(per_round)) and cnn["interval_coverage"] == 0.5  # n=2: 1 - 2/4
+    assert cnn["samples_per_sec_per_rank"]["hvdp"] == statistics.median(cnn["rounds_per_rank"]["hvdp"])
 
     keras = report["training_tensorflow"]  # hvdp-keras and hvdp-tf against raw horovod.tensorflow
     assert keras["framework"] == "tensorflow" and keras["np"] == 2
@@ -71,9 +72,9 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     gpt = report["training_gpt"]  # the transformer: with --quick its bf16-autocast eager variant only
     assert gpt["framework"] == "torch" and set(gpt["models"]) == {"gpt-bf16"} and gpt["optimizer"] == "adamw"
     rates = gpt["models"]["gpt-bf16"]["samples_per_sec_per_rank"]
-    sharded_impls = {"hvdp", "ddp", "hvdp-sharded", "ddp-zero"}  # issue 34: in the same rotation, 3 turns each
+    sharded_impls = {"hvdp", "ddp", "hvdp-sharded", "ddp-zero"}  # issue 34: in the same rotation, 2 turns each
     assert set(rates) == sharded_impls | {"horovod"} and all(v > 0 for v in rates.values())
-    assert all(len(gpt["models"]["gpt-bf16"]["rounds_per_rank"][i]) == 3 for i in sharded_impls)
+    assert all(len(gpt["models"]["gpt-bf16"]["rounds_per_rank"][i]) == 2 for i in sharded_impls)
     memory = gpt["models"]["gpt-bf16"]["memory"]  # rank 0's, measured: the tensors that exist after a step
     assert set(memory) == sharded_impls | {"horovod", "alone", "independent"}
     assert all(set(m) >= {"optimizer_state_bytes", "gradient_bytes", "peak_rss_rise_bytes", "anon_rise_bytes"}
@@ -99,7 +100,7 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     assert gpt["models"]["gpt-bf16"]["ratios"]["hvdp_vs_ddp"] == statistics.median(
         a / b for a, b in zip(gpt_rounds["hvdp"], gpt_rounds["ddp"]))
     cpu = gpt["models"]["gpt-bf16"]["cpu_by_thread"]  # per kind of thread, rank 0's cores busy in its turns
-    assert set(cpu) == sharded_impls | {"horovod", "alone", "independent"} and cpu["hvdp"]["main"] > 0.3, cpu
+    assert set(cpu) == sharded_impls | {"horovod", "alone", "independent"} and cpu["hvdp"]["main"] > 0.1, cpu
     assert cpu["hvdp"].get("engine", 0) > 0 and "engine" not in cpu["ddp"] and "engine" not in cpu["alone"], cpu
     assert "torch GPT-style transformer (adamw) training throughput" in proc.stdout
     for framework in ("torch", "tensorflow"):  # hvdp's sharded input pipeline against a hand-written one
@@ -122,7 +123,7 @@ def test_bench_keras_backend_torch_puts_hvdp_keras_on_torch_beside_hvdp_torch(tm
     backend against hvdp's PyTorch adapter on the same model, with a Keras-on-torch process alone and two side
     by side, all in one rotation."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([str(BIN / "hvdp"), "bench", "--quick", "--steps", "2", "--rounds", "3", "--models", "cnn",
+    proc = subprocess.run([str(BIN / "hvdp"), "bench", "--quick", "--steps", "2", "--rounds", "2", "--models", "cnn",
                            "--frameworks", "tensorflow", "--keras-backend", "torch", "--skip-gpt", "--skip-pipeline",
                            "--skip-allreduce", "--json", str(out)],
                           capture_output=True, text=True, cwd=ROOT, env=env(), timeout=600)
@@ -134,8 +135,8 @@ def test_bench_keras_backend_torch_puts_hvdp_keras_on_torch_beside_hvdp_torch(tm
     cnn = section["models"]["cnn"]
     rates, rounds = cnn["samples_per_sec_per_rank"], cnn["rounds_per_rank"]
     assert set(rates) == {"hvdp-keras-torch", "hvdp-torch"} and all(v > 0 for v in rates.values())
-    assert set(rounds) == {"hvdp-keras-torch", "hvdp-torch", "alone", "independent"}  # one rotation, 3 turns each
-    assert all(len(v) == 3 for v in rounds.values())
+    assert set(rounds) == {"hvdp-keras-torch", "hvdp-torch", "alone", "independent"}  # one rotation, 2 turns each
+    assert all(len(v) == 2 for v in rounds.values())
     assert section["hvdp_keras_torch_vs_hvdp_torch"] == statistics.median(
         a / b for a, b in zip(rounds["hvdp-keras-torch"], rounds["hvdp-torch"]))
     # every repetition of every Keras job named Keras's torch backend; the torch job is train_worker.py (its
