@@ -197,8 +197,8 @@ def test_no_date_in_the_future_and_guide_dates_have_an_owner():
 def test_the_horovod_fixes_list_is_generated():
     from hvdp.tools import fixes
     page = (DOCS / "install.md").read_text()
-    assert fixes.replace(page, fixes.section(ROOT)) == page, ("docs/install.md's fixes list is not what "
-                                                               "`python -m hvdp.tools.fixes` generates: run it with --write")
+    assert fixes.replace(page, fixes.section(ROOT)) == page, \
+        "docs/install.md's fixes list is not what `python -m hvdp.tools.fixes` generates: run it with --write"
     numbers = [f.number for f in fixes.parse((ROOT / "scripts" / "build_horovod.sh").read_text()) if f.number]
     internals = (DOCS / "internals.md").read_text()
     missing = [n for n in sorted(numbers) if not re.search(rf"^{n}\. \*\*", internals, re.M)]
@@ -282,10 +282,10 @@ CONTRADICTIONS = {
     and "(default 1800 s" in (DOCS / "troubleshooting.md").read_text(),
     # 10. Slurm is two slurmd on one VM; the sbatch's keepalives as the script sets them
     "slurm cluster described as it is": lambda: all("real two-node" not in p.read_text() for p in PAGES),
-    "sbatch keepalives as set": lambda: all(
-        f"`{k}={v}`" in (DOCS / "launchers.md").read_text()
-        for k, v in re.findall(r'export (OMPI_MCA_oob_tcp_keepalive_\w+|HOROVOD_GLOO_TIMEOUT_SECONDS)="\$\{\1:-(\d+)\}"',
-                               _code("examples/slurm.sbatch"))),
+    "sbatch keepalives as set": lambda: len(found := re.findall(
+        r'export (OMPI_MCA_oob_tcp_keepalive_\w+|HOROVOD_GLOO_TIMEOUT_SECONDS)="\$\{\1:-(\d+)\}"',
+        _code("examples/slurm.sbatch"))) == 4 and all(f"`{k}={v}`" in (DOCS / "launchers.md").read_text()
+                                                        for k, v in found),
 }
 
 
