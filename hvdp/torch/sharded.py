@@ -98,10 +98,21 @@ def _reducing_optimizer(params: list) -> "ShardedOptimizer | None":
     return None
 
 
-def _refuse_clip(opt: "ShardedOptimizer", why: str) -> None:
-    raise ConfigError(f"torch.nn.utils.clip_grad_norm_ {why} with shard_optimizer_state=True: the averaged "
-                      "gradients are in the shards and the model's .grad are None. Call optimizer.clip_grad_norm_"
-                      "(max_norm) instead (the global norm across the shards)", rank=opt._rank)
+def _refuse_clip(opt: "ShardedOptimizer", why: str, call: str = "clip_grad_norm_") -> None:
+    fix = ("Call optimizer.clip_grad_norm_(max_norm) instead (the global norm across the shards)"
+           if call == "clip_grad_norm_" else "Give it every parameter of the optimizer (model.parameters())")
+    raise ConfigError(f"torch.nn.utils.{call} {why} with shard_optimizer_state=True: the averaged gradients are "
+                      f"in the shards and the model's .grad are None. {fix}", rank=opt._rank)
+
+
+def _whole(opt: "ShardedOptimizer", params: list, call: str) -> None:
+    """Refuse (ConfigError) a clip given part of `opt`'s parameters, or them with others that hold gradients."""
+    mine = set(opt._bucket_of) | set(opt._owned_of)
+    given = {id(p) for p in params}
+    if not mine <= given:
+        _refuse_clip(opt, f"on {len(mine & given)} of a sharded optimizer's {len(mine)} parameters", call)
+    if any(p.grad is not None for p in params if id(p) not in mine):
+        _refuse_clip(opt, "on a sharded optimizer's parameters together with others that hold gradients", call)
 
 
 def _guarded_clip(clip):
@@ -122,15 +133,36 @@ def _guarded_clip(clip):
             return clip(params, *args, **kwargs)
         call = signature.bind(params, *args, **kwargs)
         call.apply_defaults()
-        mine = set(opt._bucket_of) | set(opt._owned_of)
-        given = {id(p) for p in params}
-        if not mine <= given:
-            _refuse_clip(opt, f"on {len(mine & given)} of a sharded optimizer's {len(mine)} parameters")
-        if any(p.grad is not None for p in params if id(p) not in mine):
-            _refuse_clip(opt, "on a sharded optimizer's parameters together with others that hold gradients")
+        _whole(opt, params, "clip_grad_norm_")
         if call.arguments.get("error_if_nonfinite"):
             _refuse_clip(opt, "with error_if_nonfinite=True")
         return opt.clip_grad_norm_(call.arguments["max_norm"], norm_type=float(call.arguments["norm_type"]))
+    guarded.hvdp_guarded = True
+    return guarded
+
+
+def _guarded_value(clip):
+    """torch.nn.utils.clip_grad_value_, aware of the sharded optimizers in the middle of their step, as
+    _guarded_clip: given every parameter of one, it clamps that optimizer's shard gradients (reducing first if
+    synchronize() has not run), element by element as torch clamps the full ones, so the result is the same;
+    given part of them, it raises ConfigError. No collective beyond the reduction every rank makes."""
+    signature = inspect.signature(clip)
+
+    @functools.wraps(clip)
+    def guarded(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        opt = _reducing_optimizer(params)
+        if opt is None:
+            return clip(params, *args, **kwargs)
+        call = signature.bind(params, *args, **kwargs)
+        _whole(opt, params, "clip_grad_value_")
+        value = float(call.arguments["clip_value"])
+        if not opt._synchronized:
+            opt.synchronize()
+        with torch.no_grad():
+            for g in opt._grads():
+                g.clamp_(min=-value, max=value)
+        return None
     guarded.hvdp_guarded = True
     return guarded
 
@@ -153,11 +185,13 @@ def _guarded_scaling(scale):
 
 
 def _guard_clipping() -> None:
-    """Put _guarded_clip in place of torch.nn.utils.clip_grad_norm_ and _guarded_scaling in place of the function
-    it scales with (once per process)."""
+    """Put _guarded_clip in place of torch.nn.utils.clip_grad_norm_, _guarded_value in place of clip_grad_value_
+    and _guarded_scaling in place of the function clip_grad_norm_ scales with (once per process)."""
     import torch.nn.utils.clip_grad as clip_grad
     if not getattr(torch.nn.utils.clip_grad_norm_, "hvdp_guarded", False):
         torch.nn.utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = _guarded_clip(torch.nn.utils.clip_grad_norm_)
+    if not getattr(torch.nn.utils.clip_grad_value_, "hvdp_guarded", False):
+        torch.nn.utils.clip_grad_value_ = clip_grad.clip_grad_value_ = _guarded_value(torch.nn.utils.clip_grad_value_)
     scale = getattr(clip_grad, "_clip_grads_with_norm_", None)  # torch >= 2.6
     if scale is not None and not getattr(scale, "hvdp_guarded", False):
         clip_grad._clip_grads_with_norm_ = _guarded_scaling(scale)

@@ -1016,9 +1016,10 @@ def torch_clip_grad_norm_on_the_model_clips_the_shards(tmp):
     # skip_synchronize() around step()) clipped nothing on the sharded path, silently (the model's .grad are None
     # once reduced), and later raised. Given the whole model, after backward() or after synchronize(), it is the
     # optimizer's clip_grad_norm_ (the global norm): the same norm and weights bit for bit as a twin clipped that
-    # way, and the weights move less than unclipped. Given part of the model, or called through torch's own
-    # function imported by name before the first sharded prepare(), it raises on every rank, naming
-    # optimizer.clip_grad_norm_. Elsewhere (before the backward pass, another model) it is torch's.
+    # way, and the weights move less than unclipped; clip_grad_value_ clamps the shards (the allreduce path's
+    # weights). Given part of the model, or called through torch's own function imported by name before the
+    # first sharded prepare(), it raises on every rank, naming the fix. Elsewhere (before the backward pass,
+    # another model) it is torch's.
     from hvdp.core.errors import ConfigError
     original = torch.nn.utils.clip_grad_norm_
     original = getattr(original, "__wrapped__", original)  # torch's, as `from torch.nn.utils import ...` binds it
@@ -1057,6 +1058,24 @@ def torch_clip_grad_norm_on_the_model_clips_the_shards(tmp):
     start = _flat(Net())  # the initial weights of every run above
     moved, unclipped = (ref - start).abs().max().item(), (runs["unclipped"][1] - start).abs().max().item()
     assert moved < unclipped, (moved, unclipped)
+    # clip_grad_value_ in the same recipe: the shards clamped as torch clamps the full averaged gradients, so
+    # the allreduce path's weights (with torch's own clip_grad_value_ there); before, it clamped nothing
+    by_value = {}
+    for shard in (True, False):
+        torch.manual_seed(0)
+        model = Net()
+        opt = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer_state=shard)
+        for t in range(2):
+            x, y = _batch(t, world.size, 1)
+            opt.zero_grad()
+            F.mse_loss(model(x[0, world.rank]), y[0, world.rank]).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_value_(model.parameters(), max_norm)
+            with opt.skip_synchronize():
+                opt.step()
+        by_value[shard] = _flat(model)
+    assert not torch.equal(by_value[False], runs["unclipped"][1])  # the value clips something
+    _same_as_allreduce(by_value[True], by_value[False], "clip_grad_value_, sharded against the allreduce path")
     refused = []
     torch.manual_seed(0)
     model = Net()
@@ -1064,16 +1083,19 @@ def torch_clip_grad_norm_on_the_model_clips_the_shards(tmp):
     x, y = _batch(0, world.size, 1)
     F.mse_loss(model(x[0, world.rank]), y[0, world.rank]).backward()
     opt.synchronize()
-    for clip in (lambda: torch.nn.utils.clip_grad_norm_(list(model.parameters())[:1], max_norm),
-                 lambda: original(model.parameters(), max_norm)):
+    for clip, fix in ((lambda: torch.nn.utils.clip_grad_norm_(list(model.parameters())[:1], max_norm),
+                       "optimizer.clip_grad_norm_"),
+                      (lambda: original(model.parameters(), max_norm), "optimizer.clip_grad_norm_"),
+                      (lambda: torch.nn.utils.clip_grad_value_(list(model.parameters())[1:], max_norm),
+                       "every parameter of the optimizer")):
         try:
             clip()
             refused.append("clipped")
         except ConfigError as e:
-            refused.append("optimizer.clip_grad_norm_" in str(e))
+            refused.append(fix in str(e))
     opt.step()
     every = hvd.allgather_object(refused, name="clip.refused")
-    assert every == [[True, True]] * world.size, every
+    assert every == [[True, True, True]] * world.size, every
 
 
 @check
