@@ -275,6 +275,10 @@ CONTRADICTIONS = {
     # 8./9. no (seed, epoch) order promise for streams, no 30-minute claim for different collectives in the README
     "README order and watchdog claims": lambda: "(seed, epoch)" not in README.read_text()
     and "30 minutes" not in README.read_text(),
+    # 8. a stream's order is its own: where a page says the order depends on (seed, epoch), it says for which data
+    "stream order": lambda: all(
+        "(seed, epoch)`" not in line or "indexed" in line for p in PAGES if p not in NOT_YET
+        for line in p.read_text().splitlines()),
     # 9. the watchdog's limits quoted from hvdp/core/watchdog.py
     "watchdog limits": lambda: re.search(r"^DEFAULT_TIMEOUT = 60\.0$", _code("hvdp/core/watchdog.py"), re.M)
     and re.search(r"^DEFAULT_ELSEWHERE_TIMEOUT = 1800\.0$", _code("hvdp/core/watchdog.py"), re.M)
