@@ -1,0 +1,499 @@
+"""hvdp for PyTorch Lightning 2.x: HorovodStrategy, a Trainer strategy that runs one process per rank under
+horovodrun, mpirun or srun (the Trainer spawns nothing) and trains as one process with the global batch would.
+
+    import lightning.pytorch as pl
+    import hvdp.lightning                      # registers strategy="hvdp"
+    trainer = pl.Trainer(strategy="hvdp", max_epochs=10)   # or strategy=hvdp.lightning.HorovodStrategy(...)
+    trainer.fit(model, train_loader, val_loader)           # batch_size of the loaders: per rank
+
+What it does to the Trainer's run (docs/lightning.md):
+- initializes hvdp (hvdp.torch.init: Horovod, the watchdog, the rank's device) when it is built, and makes
+  Lightning's rank-zero-only output (loggers, progress bar, prints) rank 0's;
+- prepares the optimizer configure_optimizers returns with hvdp.torch.prepare (the learning-rate rule and
+  warmup, gradients averaged by Horovod, rank 0's weights and state broadcast); the LR schedulers keep
+  stepping the same param groups, their rates scaled by the same multiplier;
+- replaces the training loader's sampler by hvdp's exact sharding (every sample once per epoch, an epoch's
+  uneven last batch weighted so that the step is one process's step on the global batch) and splits the
+  validation and test loaders into contiguous unpadded slices, so that self.log(..., sync_dist=True) over an
+  epoch is the mean over every sample counted once;
+- maps reduce, all_gather, barrier and broadcast onto Horovod's collectives, writes checkpoints from rank 0
+  atomically (every rank learns of a failed write), and rescales the rates of a checkpoint written at another
+  world size.
+accumulate_grad_batches, gradient_clip_val/algorithm and precision="bf16-mixed" keep one process's meaning.
+
+Importing this module imports Lightning (lightning.pytorch, else pytorch_lightning: the one already imported
+when both are installed), torch and horovod.torch; nothing else in hvdp imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.utils.data
+
+from hvdp._horovod import agree
+from hvdp.core import checkpoint as _ckpt
+from hvdp.core.errors import CheckpointError, ConfigError, SetupError
+from hvdp.core.sharding import ShardPlan, rank_bounds
+from hvdp import torch as _ht
+from hvdp.torch.data import ShardSampler, _ShardLoader, _data_identity
+from hvdp.torch.optimizer import _rescale_groups, _rescale_scheduler_states
+from hvdp.torch.runtime import hvd
+from hvdp.torch.weights import _Batch
+from hvdp.torch.workers import _configure
+
+
+def _lightning():
+    """(the Lightning package, its name): the one the script imported, else lightning.pytorch, else pytorch_lightning."""
+    if "pytorch_lightning" in sys.modules and "lightning.pytorch" not in sys.modules:
+        import pytorch_lightning as pl
+        return pl, "pytorch_lightning"
+    try:
+        import lightning.pytorch as pl
+        return pl, "lightning.pytorch"
+    except ImportError:
+        pass
+    try:
+        import pytorch_lightning as pl
+        return pl, "pytorch_lightning"
+    except ImportError:
+        raise SetupError("hvdp.lightning needs PyTorch Lightning 2.x: pip install 'hvdp[lightning]' "
+                         "(or pip install lightning)") from None
+
+
+pl, PACKAGE = _lightning()
+if int(pl.__version__.split(".")[0]) < 2:
+    raise SetupError(f"hvdp.lightning needs Lightning 2.x, and {PACKAGE} {pl.__version__} is installed: "
+                     f"pip install 'lightning>=2.0' (Lightning 1.x has its own strategy='horovod')")
+from lightning_utilities.core.rank_zero import rank_zero_only  # noqa: E402  (Lightning's rank-zero switch)
+
+_strategies = pl.strategies
+_ClusterEnvironment = importlib.import_module(f"{PACKAGE}.plugins.environments").ClusterEnvironment
+_RunningStage = pl.trainer.states.RunningStage
+_TrainerFn = pl.trainer.states.TrainerFn
+
+
+class HorovodEnvironment(_ClusterEnvironment):
+    """Lightning's view of the job hvdp runs in: the ranks Horovod started (the launcher made the processes)."""
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+
+    @property
+    def main_port(self) -> int:
+        return int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", 0))
+
+    @staticmethod
+    def detect() -> bool:
+        return hvd.is_initialized()
+
+    def world_size(self) -> int:
+        return hvd.size()
+
+    def set_world_size(self, size: int) -> None:
+        pass  # Horovod's
+
+    def global_rank(self) -> int:
+        return hvd.rank()
+
+    def set_global_rank(self, rank: int) -> None:
+        rank_zero_only.rank = hvd.rank()  # Horovod's rank, whatever Lightning computed
+
+    def local_rank(self) -> int:
+        return hvd.local_rank()
+
+    def node_rank(self) -> int:
+        return hvd.cross_rank()
+
+
+class HorovodStrategy(_strategies.ParallelStrategy):
+    """Data-parallel training on hvdp: one process per rank, started by the launcher.
+
+    Args:
+        lr_scaling: hvdp.torch.prepare's rule: "linear" (default: the rates x size), "sqrt" or "none". Write
+            the rates configure_optimizers returns for one process's batch (the per-rank batch).
+        warmup_steps: optimizer steps over which the rate ramps from the base to the scaled one (default 0).
+        compression: "none" (default) or "fp16" (gradients sent as float16).
+        op: "average" (default), "sum" or "adasum" (the MPI controller only).
+        sync_batchnorm: replace the module's BatchNorm layers by hvdp's SyncBatchNorm (default False).
+        seed: the seed of the training data's epoch order (default: PL_GLOBAL_SEED, which seed_everything
+            sets, else 0); the same on every rank.
+        accelerator, checkpoint_io, precision_plugin: as for Lightning's other strategies (the Trainer fills
+            them in from its own arguments).
+
+    Raises:
+        ConfigError: configure_optimizers returned more than one optimizer; a training loader with its own
+            batch_sampler (hvdp splits by batch_size); prepare()'s and shard()'s own checks.
+    """
+
+    strategy_name = "hvdp"
+
+    def __init__(self, *, lr_scaling: str = "linear", warmup_steps: int = 0, compression: str = "none",
+                 op: str = "average", sync_batchnorm: bool = False, seed: int | None = None,
+                 accelerator=None, checkpoint_io=None, precision_plugin=None):
+        self._world = _ht.init()
+        super().__init__(accelerator=accelerator, parallel_devices=[_ht.device()],
+                         cluster_environment=HorovodEnvironment(), checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._prepare_kwargs = dict(lr_scaling=lr_scaling, warmup_steps=warmup_steps, compression=compression,
+                                    op=op, sync_batchnorm=sync_batchnorm)
+        self._seed = seed
+        self._train_sampler: _EpochSampler | None = None
+        self._stepping: dict[int, _StepAfterClosure] = {}
+        rank_zero_only.rank = self._world.rank
+
+    # ------------------------------------------------------------------------------------------ the world
+
+    @property
+    def root_device(self) -> torch.device:
+        return _ht.device()
+
+    @property
+    def global_rank(self) -> int:
+        return hvd.rank()
+
+    @property
+    def local_rank(self) -> int:
+        return hvd.local_rank()
+
+    @property
+    def node_rank(self) -> int:
+        return hvd.cross_rank()
+
+    @property
+    def world_size(self) -> int:
+        return hvd.size()
+
+    @property
+    def is_distributed(self) -> bool:
+        return False  # Lightning leaves the samplers alone: process_dataloader puts hvdp's in
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": hvd.size(), "rank": hvd.rank()}
+
+    def setup_environment(self) -> None:
+        rank_zero_only.rank = self._world.rank
+        super().setup_environment()
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------------------------------ optimizers
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)  # the accelerator, the precision plugin, the model on the device, the optimizers
+        if trainer.state.fn != _TrainerFn.FITTING:
+            _ht.broadcast(self.lightning_module)  # validate/test/predict a model the ranks built alike
+            return
+        if len(self.optimizers) > 1:
+            raise ConfigError(f"strategy='hvdp' prepares one optimizer, and configure_optimizers returned "
+                              f"{len(self.optimizers)}: build one optimizer with a param group per part of the "
+                              f"model (torch.optim.Adam([{{'params': a.parameters()}}, {{'params': "
+                              f"b.parameters(), 'lr': ...}}]))", rank=self.global_rank)
+        if not self.optimizers:
+            _ht.broadcast(self.lightning_module)
+            return
+        raw = _unwrapped(self.optimizers[0])
+        prepared = _ht.prepare(self.lightning_module, raw, **self._prepare_kwargs)
+        schedule = prepared.hvdp_schedule
+        for config in self.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if getattr(scheduler, "optimizer", None) is not raw:
+                continue
+            # the schedulers' rates (built before prepare() scaled the param groups) scaled alike; the param
+            # groups are the same dicts in raw and prepared, so the schedulers set the rates prepared uses
+            for group in prepared.param_groups:
+                for key in ("initial_lr", "max_lr", "min_lr"):
+                    if isinstance(group.get(key), (int, float)) and not isinstance(group[key], bool):
+                        group[key] = schedule.rate(group[key], scaled_by=1.0)
+            state = _rescale_scheduler_states({"s": scheduler.state_dict()}, 1.0, schedule)["s"]
+            scheduler.load_state_dict(state)
+        self.optimizers = [prepared]
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        # Horovod's step() would average the gradients before Lightning's closure computes them: they are
+        # averaged here, after each backward pass (accumulated passes: the sum of averages, as one process sums)
+        for optimizer in self.optimizers:
+            optimizer = _unwrapped(optimizer)
+            if hasattr(optimizer, "hvdp_schedule"):
+                optimizer.synchronize()
+
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        optimizer = _unwrapped(optimizer)
+        if not hasattr(optimizer, "hvdp_schedule"):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        stepping = self._stepping.get(id(optimizer))
+        if stepping is None or stepping.optimizer is not optimizer:
+            stepping = self._stepping[id(optimizer)] = _StepAfterClosure(optimizer)
+        return super().optimizer_step(stepping, closure, model, **kwargs)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        saved = checkpoint.get("hvdp")
+        if not saved or not self.optimizers:
+            return
+        optimizer = _unwrapped(self.optimizers[0])
+        schedule = getattr(optimizer, "hvdp_schedule", None)
+        if schedule is None:
+            return
+        schedule.step = int(saved["steps"])  # the warmup goes on where it was
+        if saved["multiplier"] != schedule.multiplier:  # written at another world size (or rule)
+            _rescale_groups(optimizer, saved["multiplier"], schedule.size)
+            if "lr_schedulers" in checkpoint:
+                checkpoint["lr_schedulers"] = _rescale_scheduler_states(
+                    list(checkpoint["lr_schedulers"]), saved["multiplier"], schedule)
+
+    # ------------------------------------------------------------------------------------------ data
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if (not isinstance(dataloader, torch.utils.data.DataLoader)
+                or isinstance(dataloader.dataset, torch.utils.data.IterableDataset)
+                or not trainer._accelerator_connector.use_distributed_sampler):
+            return dataloader  # the user's own sampling (use_distributed_sampler=False), or a stream
+        stage = trainer.state.stage
+        with torch.inference_mode(False):  # the evaluation loops set up their data under inference_mode
+            return self._sharded(dataloader, stage)
+
+    def _sharded(self, dataloader: torch.utils.data.DataLoader, stage) -> object:
+        if stage == _RunningStage.TRAINING:
+            return self._train_loader(dataloader)
+        if stage in (_RunningStage.VALIDATING, _RunningStage.TESTING, _RunningStage.SANITY_CHECKING,
+                     _RunningStage.PREDICTING):
+            return self._eval_loader(dataloader)
+        return dataloader
+
+    def _train_loader(self, dataloader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
+        if dataloader.batch_size is None:
+            raise ConfigError("strategy='hvdp' splits the training data by its DataLoader's batch_size, and this "
+                              "loader has a batch_sampler of its own: build it with batch_size=<per-rank batch> "
+                              "(and shuffle=True/False), or pass use_distributed_sampler=False to the Trainer to "
+                              "shard the data yourself", rank=self.global_rank)
+        shuffle = isinstance(dataloader.sampler, torch.utils.data.RandomSampler)
+        seed = self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        dataset = dataloader.dataset
+        agree(hvd, lambda: {"batch_size": dataloader.batch_size, "seed": seed, "shuffle": shuffle,
+                            "drop_last": dataloader.drop_last, **_data_identity(dataset)},
+              call="the training DataLoader of strategy='hvdp'")
+        plan = ShardPlan(n=len(dataset), batch_size=dataloader.batch_size, rank=hvd.rank(), size=hvd.size(),
+                         seed=seed, shuffle=shuffle, drop_last=dataloader.drop_last)
+        kwargs = _loader_kwargs(dataloader)
+        kwargs.setdefault("generator", torch.Generator().manual_seed(seed + hvd.rank()))
+        _configure(kwargs, {"dataset": dataset}, persistent=False)
+        self._train_sampler = _EpochSampler(plan)
+        return _ShardLoader(dataset, batch_sampler=self._train_sampler, **kwargs)
+
+    def _eval_loader(self, dataloader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
+        batch_size = dataloader.batch_size
+        if batch_size is None:
+            return dataloader  # a batch_sampler of the user's: left as it is (every rank evaluates it all)
+        dataset = dataloader.dataset
+        agree(hvd, lambda: {"batch_size": batch_size, **_data_identity(dataset)},
+              call="an evaluation DataLoader of strategy='hvdp'")
+        sampler = EvalBatches(len(dataset), batch_size, hvd.rank(), hvd.size())
+        kwargs = _loader_kwargs(dataloader)
+        _configure(kwargs, {"dataset": dataset}, persistent=False)
+        return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **kwargs)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Which batch prepare()'s gradient hooks weigh: the loader tells them as it hands a batch out, but
+        # Lightning fetches one batch ahead, so the Trainer's own count of the batch it trains on is used.
+        if self._train_sampler is not None:
+            _Batch.sampler, _Batch.index = self._train_sampler, batch_idx
+
+    def on_train_end(self) -> None:
+        if _Batch.sampler is self._train_sampler:
+            _Batch.sampler = None
+
+    # ------------------------------------------------------------------------------------------ collectives
+
+    def reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if group is not None:
+            raise ConfigError("strategy='hvdp' reduces over all ranks: group must be None", rank=self.global_rank)
+        op = _reduce_op(reduce_op)
+        if hvd.size() == 1:
+            return tensor
+        if op is hvd.Average and not tensor.is_floating_point():
+            tensor = tensor.double()
+        with torch.inference_mode(False):  # Lightning evaluates under inference_mode, where Horovod cannot allocate
+            return hvd.allreduce(tensor.clone(), op=op)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        if group is not None:
+            raise ConfigError("strategy='hvdp' gathers over all ranks: group must be None", rank=self.global_rank)
+        stacked = tensor.unsqueeze(0)  # (world_size, *shape), as Lightning's DDP gives it
+        if hvd.size() == 1:
+            return stacked
+        if sync_grads:
+            return hvd.allgather(stacked)  # differentiable (Horovod's allgather has a backward)
+        with torch.inference_mode(False):
+            return hvd.allgather(stacked.detach().clone())
+
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        _ht.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if hvd.size() == 1:
+            return obj
+        return hvd.broadcast_object(obj, root_rank=src)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any | None = None) -> None:
+        """Rank 0 writes `filepath` atomically (a temp file renamed into place); every rank returns together or
+        raises the same CheckpointError. A remote path (s3://...) goes through the Trainer's CheckpointIO."""
+        optimizer = _unwrapped(self.optimizers[0]) if self.optimizers else None
+        schedule = getattr(optimizer, "hvdp_schedule", None)
+        if schedule is not None:
+            checkpoint["hvdp"] = {"size": schedule.size, "multiplier": schedule.multiplier, "steps": schedule.step}
+        outcome: dict = {}
+        if self.is_global_zero:
+            try:
+                if "://" in str(filepath) or storage_options is not None:
+                    self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+                else:
+                    buffer = io.BytesIO()
+                    torch.save(checkpoint, buffer)
+                    _ckpt.write_atomic(filepath, lambda f: f.write(buffer.getbuffer()))
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it
+                outcome = {"error": f"cannot write checkpoint {filepath} on rank 0: {type(e).__name__}: {e}. "
+                                    f"Check that the directory is writable and has room for the checkpoint"}
+        if hvd.size() > 1:
+            outcome = hvd.broadcast_object(outcome, root_rank=0, name="hvdp.lightning.save_checkpoint")
+        if "error" in outcome:
+            raise CheckpointError(outcome["error"], rank=self.global_rank)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            if "://" in str(filepath):
+                self.checkpoint_io.remove_checkpoint(filepath)
+            else:
+                Path(filepath).unlink(missing_ok=True)
+
+    def teardown(self) -> None:
+        if _Batch.sampler is self._train_sampler:
+            _Batch.sampler = None
+        self._stepping.clear()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="hvdp's data parallelism on Horovod "
+                                   "(one process per rank, started by horovodrun, mpirun or srun)", override=True)
+
+
+class _StepAfterClosure:
+    """The prepared optimizer as Lightning's precision plugin sees it: step(closure) runs the closure (the
+    training step, the backward pass with the gradients averaged, then Lightning's clipping of the averaged
+    gradients) and only then Horovod's step, which would otherwise reduce before the gradients exist."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        result = closure() if closure is not None else None
+        self.optimizer.step(**kwargs)
+        return result
+
+
+class _EpochSampler(ShardSampler):
+    """hvdp's ShardSampler with the set_epoch() Lightning calls at each epoch's start (found as
+    batch_sampler.sampler), so that a run resumed from a checkpoint takes that epoch's order."""
+
+    @property
+    def sampler(self) -> "_EpochSampler":
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.resume(epoch, 0)
+
+
+class EvalBatches(torch.utils.data.Sampler):
+    """The evaluation batches of `rank`: each global batch of size * batch_size consecutive samples split as
+    shard() splits a training batch (the last one as evenly as possible), never padded, so that every sample
+    is scored exactly once and the ranks take the same number of batches (one fewer on the ranks left without
+    a sample of a last global batch smaller than the world). Pure: every rank's batches can be built in one
+    process.
+
+    Args:
+        n: the number of samples.
+        batch_size: samples per rank per batch (>= 1).
+        rank: this rank, 0 <= rank < size.
+        size: the number of ranks.
+    """
+
+    def __init__(self, n: int, batch_size: int, rank: int, size: int):
+        if batch_size < 1:
+            raise ConfigError(f"an evaluation DataLoader's batch_size must be >= 1, got {batch_size}", rank=rank)
+        self.n, self.batch_size, self.rank, self.size = n, batch_size, rank, size
+
+    def __iter__(self):
+        step = self.size * self.batch_size
+        for start in range(0, self.n, step):
+            count = min(step, self.n - start)
+            if count < self.size:
+                if self.rank < count:
+                    yield [start + self.rank]
+                continue
+            lo, hi = rank_bounds(count, self.batch_size, self.size, self.rank)
+            yield list(range(start + lo, start + hi))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _reduce_op(reduce_op: Any):
+    name = str(getattr(reduce_op, "name", reduce_op)).lower().rsplit(".", 1)[-1]
+    ops = {"none": hvd.Average, "mean": hvd.Average, "avg": hvd.Average, "average": hvd.Average,
+           "sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min, "product": hvd.Product}
+    if name not in ops:
+        raise ConfigError(f"reduce_op={reduce_op!r} is not one of {', '.join(ops)}", rank=hvd.rank())
+    return ops[name]
+
+
+def _unwrapped(optimizer):
+    """The torch optimizer inside a LightningOptimizer (or _StepAfterClosure)."""
+    while hasattr(optimizer, "_optimizer") or isinstance(optimizer, _StepAfterClosure):
+        optimizer = optimizer.optimizer if isinstance(optimizer, _StepAfterClosure) else optimizer._optimizer
+    return optimizer
+
+
+# The DataLoader arguments hvdp carries over to the loader it builds (not the sampling ones it replaces).
+_KEPT = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+         "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+
+
+def _loader_kwargs(dataloader: torch.utils.data.DataLoader) -> dict:
+    kwargs = {}
+    for name in _KEPT:
+        if hasattr(dataloader, name):
+            kwargs[name] = getattr(dataloader, name)
+    if not kwargs.get("num_workers"):
+        for name in ("prefetch_factor", "persistent_workers", "multiprocessing_context", "timeout", "worker_init_fn"):
+            kwargs.pop(name, None)
+    if getattr(dataloader, "generator", None) is not None:
+        kwargs["generator"] = dataloader.generator
+    return kwargs
+
+
+HorovodStrategy.register_strategies(_strategies.StrategyRegistry)
+
+__all__ = ["HorovodStrategy", "HorovodEnvironment", "EvalBatches"]

@@ -1,0 +1,274 @@
+"""Checks of hvdp.lightning that need a real job; run under horovodrun by tests/lightning/test_lightning.py.
+
+The reference of every training check is one process written here independently of Lightning: a plain torch
+loop over the same epoch order (hvdp.core.sharding.epoch_order, the order hvdp defines) with the global batch
+N*b and the rate x N. Every assertion holds at any world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import hvdp.torch as ht  # noqa: E402
+import hvdp.lightning as hl  # noqa: E402
+import lightning.pytorch as pl  # noqa: E402
+from hvdp.core.sharding import epoch_order  # noqa: E402
+from tests.checks import check, main  # noqa: E402
+
+warnings.filterwarnings("ignore")  # Lightning's advice (num_workers, the linear rule with Adam...)
+world = None
+hvd = ht.hvd
+B, SEED, LR = 4, 3, 0.05
+
+
+def data(n: int, seed: int = 0) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = x @ torch.randn(6, 2, generator=g) + 0.1 * torch.randn(n, 2, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def n_train() -> int:
+    # 3 full global batches and a last one of N*b - 3 samples, which N ranks split unevenly
+    return 3 * B * world.size + max(1, B * world.size - 3)
+
+
+class Net(pl.LightningModule):
+    def __init__(self, optimizer="sgd", scheduler=False):
+        super().__init__()
+        torch.manual_seed(0)  # every rank the same start (prepare() broadcasts rank 0's anyway)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        self.log("val_loss", F.mse_loss(out, y), sync_dist=True)
+        self.log("val_abs", (out - y).abs().mean(), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        opt = (torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9) if self.optimizer == "sgd"
+               else torch.optim.Adam(self.parameters(), lr=LR / 10))
+        if not self.scheduler:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+
+def trainer(**kwargs) -> pl.Trainer:
+    settings = dict(strategy=hl.HorovodStrategy(seed=SEED), accelerator="cpu", max_epochs=2, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0)
+    settings.update(kwargs)
+    return pl.Trainer(**settings)
+
+
+def reference(module: Net, dataset, *, epochs=2, accumulate=1, clip=None, bf16=False) -> torch.nn.Module:
+    """One process, batch N*b, rate x N, in hvdp's epoch order: what the N ranks must reproduce."""
+    model = copy.deepcopy(Net(module.optimizer, module.scheduler))
+    opt = model.configure_optimizers()
+    sched = None
+    if isinstance(opt, dict):
+        opt, sched = opt["optimizer"], opt["lr_scheduler"]
+    for g in opt.param_groups:
+        g["lr"] *= world.size
+        g["initial_lr"] = g["lr"]
+    if sched is not None:
+        sched.base_lrs = [lr * world.size for lr in sched.base_lrs]
+    x, y = dataset.tensors
+    n, gb = len(x), B * world.size
+    for epoch in range(epochs):
+        order = torch.as_tensor(epoch_order(n, seed=SEED, epoch=epoch, shuffle=True))
+        chunks = [order[i:i + gb] for i in range(0, n, gb)]
+        for i, idx in enumerate(chunks):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = F.mse_loss(model(x[idx]), y[idx]) / accumulate
+            loss.backward()
+            if (i + 1) % accumulate == 0 or i == len(chunks) - 1:
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    return model
+
+
+def max_dw(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def same_on_every_rank(module: torch.nn.Module) -> None:
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    gathered = hvd.allgather(flat.unsqueeze(0))
+    assert bool((gathered == gathered[0]).all()), "the replicas differ"
+
+
+def fit_and_compare(module: Net, *, tol=1e-5, **kwargs) -> float:
+    dataset = data(n_train())
+    ref_kwargs = {k: kwargs.pop(k) for k in ("accumulate", "clip", "bf16") if k in kwargs}
+    loader = torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True)
+    trainer(**kwargs).fit(module, loader)
+    same_on_every_rank(module)
+    dw = max_dw(module, reference(module, dataset, **ref_kwargs))
+    print(f"[rank {world.rank}] max |dw| {dw:.3g} ({module.optimizer}, {kwargs}, {ref_kwargs})", file=sys.stderr)
+    assert dw < tol, f"max |dw| {dw} >= {tol}"
+    return dw
+
+
+# ------------------------------------------------------------------------------------------ training
+
+@check
+def fit_sgd_equals_one_process_with_the_global_batch(tmp):
+    fit_and_compare(Net("sgd"))
+
+
+@check
+def fit_adam_with_a_scheduler_equals_one_process(tmp):
+    fit_and_compare(Net("adam", scheduler=True), max_epochs=2)
+
+
+@check
+def strategy_by_name_accumulate_and_clip_equal_one_process(tmp):
+    # strategy="hvdp" (the registry), seed from seed_everything's PL_GLOBAL_SEED
+    pl.seed_everything(SEED, verbose=False)
+    fit_and_compare(Net("sgd"), strategy="hvdp", accumulate_grad_batches=2, gradient_clip_val=0.05,
+                    accumulate=2, clip=0.05)
+
+
+@check
+def bf16_mixed_follows_one_process(tmp):
+    # bf16 rounding: not bit for bit, but the same run (a wrong sharding or rate is off by far more)
+    fit_and_compare(Net("sgd"), precision="bf16-mixed", bf16=True, tol=2e-2)
+
+
+@check
+def lightnings_own_distributed_sampler_is_not_one_process(tmp):
+    # The user's DistributedSampler kept (use_distributed_sampler=False): it pads the uneven last batch with
+    # repeated samples and weighs the ranks' batches alike, so the run is not one process's. hvdp's is.
+    if world.size == 1:
+        return
+    dataset = data(n_train())
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world.size, rank=world.rank, shuffle=False)
+    module = Net("sgd")
+    trainer(use_distributed_sampler=False, max_epochs=1).fit(
+        module, torch.utils.data.DataLoader(dataset, batch_size=B, sampler=sampler))
+    # the reference in DistributedSampler's own (unshuffled) order, so that only the split differs
+    ref = Net("sgd")
+    opt = ref.configure_optimizers()
+    for g in opt.param_groups:
+        g["lr"] *= world.size
+    x, y = dataset.tensors
+    for i in range(0, len(x), B * world.size):
+        F.mse_loss(ref(x[i:i + B * world.size]), y[i:i + B * world.size]).backward()
+        opt.step()
+        opt.zero_grad()
+    dw = max_dw(module, ref)
+    print(f"[rank {world.rank}] DistributedSampler: max |dw| {dw:.3g}", file=sys.stderr)
+    assert dw > 1e-4, f"max |dw| {dw}: the padded sampler matched one process"
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+@check
+def validate_and_test_metrics_count_every_sample_once(tmp):
+    module = Net("sgd")
+    val = data(2 * B * world.size + 3, seed=1)  # an uneven last global batch
+    t = trainer()
+    got = t.validate(module, torch.utils.data.DataLoader(val, batch_size=B), verbose=False)[0]
+    tested = t.test(module, torch.utils.data.DataLoader(val, batch_size=B), verbose=False)[0]
+    x, y = val.tensors
+    with torch.no_grad():
+        out = module(x)
+    want = {"val_loss": float(((out - y) ** 2).mean(1).mean()),
+            "val_abs": float((out - y).abs().mean(1).mean()), "test_loss": float(((out - y) ** 2).mean(1).mean())}
+    # Lightning weighs each batch's mean by its size: the mean over every sample, each once
+    for name, value in {**got, **tested}.items():
+        assert abs(value - want[name]) < 1e-6, (name, value, want[name])
+
+
+# ------------------------------------------------------------------------------------------ collectives
+
+@check
+def collectives_map_onto_horovod(tmp):
+    s = hl.HorovodStrategy()
+    r, n = world.rank, world.size
+    t = torch.tensor([float(r + 1), 2.0 * r])
+    assert torch.equal(s.reduce(t.clone(), reduce_op="sum"), torch.tensor([n * (n + 1) / 2, float(n * (n - 1))]))
+    assert torch.allclose(s.reduce(t.clone(), reduce_op="mean"), torch.tensor([(n + 1) / 2, float(n - 1)]))
+    assert torch.equal(s.reduce(t.clone(), reduce_op="max"), torch.tensor([float(n), 2.0 * (n - 1)]))
+    gathered = s.all_gather(torch.tensor([r, 10 * r]))
+    assert gathered.shape == (n, 2) and gathered[:, 1].tolist() == [10 * i for i in range(n)], gathered
+    assert s.broadcast({"from": r}, src=n - 1) == {"from": n - 1}
+    assert s.reduce_boolean_decision(r == 0, all=False) is True
+    assert s.reduce_boolean_decision(r == 0, all=True) is (n == 1)
+    s.barrier("check")
+    assert (s.global_rank, s.world_size, s.is_global_zero) == (r, n, r == 0)
+    from lightning_utilities.core.rank_zero import rank_zero_only
+    assert rank_zero_only.rank == r
+
+
+# ------------------------------------------------------------------------------------------ checkpoints, logs
+
+@check
+def checkpoint_from_rank_0_only_and_resume_exact(tmp):
+    dataset = data(n_train())
+    d = Path(tmp) / "ckpt"
+    module = Net("sgd", scheduler=True)
+    t = trainer(max_epochs=1, enable_checkpointing=True,
+                callbacks=[pl.callbacks.ModelCheckpoint(dirpath=d, save_last=True, save_top_k=0)])
+    t.fit(module, torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True))
+    t.save_checkpoint(d / f"by-rank-{world.rank}.ckpt")  # every rank calls it: rank 0's name only is written
+    hvd.allreduce(torch.zeros(1), name="ckpt.listed")
+    names = sorted(p.name for p in d.iterdir())
+    assert names == ["by-rank-0.ckpt", "last.ckpt"], names  # no temp file left, nothing from rank 1
+    resumed = Net("sgd", scheduler=True)
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.add_(1.0)  # not the saved weights: the checkpoint must bring them
+    trainer(max_epochs=2).fit(resumed, torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True),
+                              ckpt_path=d / "last.ckpt")
+    same_on_every_rank(resumed)
+    dw = max_dw(resumed, reference(resumed, dataset, epochs=2))
+    print(f"[rank {world.rank}] resumed: max |dw| {dw:.3g}", file=sys.stderr)
+    assert dw < 1e-5, dw
+
+
+@check
+def loggers_write_on_rank_0_only(tmp):
+    logs = Path(tmp) / f"logs-rank{world.rank}"
+    module = Net("sgd")
+    t = trainer(max_epochs=1, logger=pl.loggers.CSVLogger(logs, name="run"), log_every_n_steps=1)
+    t.fit(module, torch.utils.data.DataLoader(data(n_train()), batch_size=B, shuffle=True))
+    written = sorted(str(p.relative_to(logs)) for p in logs.rglob("*") if p.is_file()) if logs.exists() else []
+    if world.rank == 0:
+        assert any(name.endswith("metrics.csv") for name in written), written
+        text = next(logs.rglob("metrics.csv")).read_text()
+        assert "train_loss_epoch" in text, text
+    else:
+        assert written == [], written
+
+
+if __name__ == "__main__":
+    world = ht.init()
+    main(lambda obj: hvd.allgather_object(obj, name="checks.results"), world.rank)
