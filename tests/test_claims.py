@@ -296,3 +296,27 @@ CONTRADICTIONS = {
 @pytest.mark.parametrize("name", sorted(CONTRADICTIONS))
 def test_audited_contradiction_stays_fixed(name):
     assert CONTRADICTIONS[name](), name
+
+
+def test_suite_figures_are_written_from_a_pytest_summary():
+    from hvdp.tools import suite_figures as suite
+    log = ("... = 3 failed, 2 passed in 9.00s =\nlater output\n"
+           "====== 11 failed, 2454 passed, 12 skipped, 1 error, 3 warnings in 3480.12s (0:58:00) ======\n")
+    figures = suite.parse(log)  # the last summary line; an error counts as failed, warnings not at all
+    assert figures == {"passed": 2454, "skipped": 12, "failed": 12, "seconds": 3480.12}
+    assert suite.sentence(figures, "2026-12-07") == "2,478 tests in 58 minutes on 2026-12-07, 12 skipped, 12 failed"
+    with pytest.raises(ValueError, match="no pytest summary"):
+        suite.parse("no summary here")
+    with pytest.raises(ValueError):
+        suite.sentence(figures, "07/12/2026")
+
+
+def test_support_states_the_suite_figures_once_in_the_written_form():
+    from hvdp.tools import suite_figures as suite
+    page = SUPPORT.read_text()
+    figures = suite.stated(page)  # raises unless the marked text is what sentence() writes
+    again = suite.sentence({"passed": figures["total"] - figures["skipped"] - figures["failed"],
+                            "skipped": figures["skipped"], "failed": figures["failed"],
+                            "seconds": figures["minutes"] * 60}, figures["date"])
+    assert suite.replace(page, again) == page
+    assert figures["date"] <= __import__("datetime").date.today().isoformat()
