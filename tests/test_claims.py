@@ -99,6 +99,10 @@ SETTINGS = [
     ("docs/verify.md", "300 s", "hvdp/tools/zoo.py", r"^LAUNCH_TIMEOUT = 300$"),
     ("docs/verify.md", "120 s", "hvdp/tools/zoo.py", r'"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "120"'),
     ("docs/pytorch.md", "25 MiB", "hvdp/torch/compiled.py", r"_BUCKET_BYTES = 1 << 20, 25 << 20"),
+    ("docs/troubleshooting.md", "60 s", "hvdp/core/watchdog.py", r"^DEFAULT_TIMEOUT = 60\.0$"),
+    ("docs/troubleshooting.md", "1800 s", "hvdp/core/watchdog.py", r"^DEFAULT_ELSEWHERE_TIMEOUT = 1800\.0$"),
+    ("docs/troubleshooting.md", "20%", "hvdp/core/stragglers.py", r"^THRESHOLD = 0\.20 "),
+    ("docs/troubleshooting.md", "10%", "hvdp/core/stragglers.py", r"^MIN_EXCESS = 0\.10 "),
 ]
 # Figures recorded first-hand on a guide page (a run that page describes), on no other guide page.
 RECORDED = {
@@ -283,7 +287,10 @@ CONTRADICTIONS = {
     "watchdog limits": lambda: re.search(r"^DEFAULT_TIMEOUT = 60\.0$", _code("hvdp/core/watchdog.py"), re.M)
     and re.search(r"^DEFAULT_ELSEWHERE_TIMEOUT = 1800\.0$", _code("hvdp/core/watchdog.py"), re.M)
     and "`HVDP_WATCHDOG_TIMEOUT` seconds** (default 60)" in (DOCS / "troubleshooting.md").read_text()
-    and "(default 1800 s" in (DOCS / "troubleshooting.md").read_text(),
+    and "(default 1800 s" in (DOCS / "troubleshooting.md").read_text()
+    and re.search(r"^EXIT_CODE = 70$", _code("hvdp/core/watchdog.py"), re.M)
+    and "exits with **code 70**" in (DOCS / "troubleshooting.md").read_text()
+    and "exit 70" in (DOCS / "recipes.md").read_text(),
     # 10. Slurm is two slurmd on one VM; the sbatch's keepalives as the script sets them
     "slurm cluster described as it is": lambda: all("real two-node" not in p.read_text() for p in PAGES),
     "sbatch keepalives as set": lambda: len(found := re.findall(
