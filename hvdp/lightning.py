@@ -150,6 +150,7 @@ class HorovodStrategy(_strategies.ParallelStrategy):
                                     op=op, sync_batchnorm=sync_batchnorm)
         self._seed = seed
         self._train_sampler: _EpochSampler | None = None
+        self._raw: torch.optim.Optimizer | None = None  # the optimizer configure_optimizers built, before prepare()
         self._stepping: dict[int, _StepAfterClosure] = {}
         rank_zero_only.rank = self._world.rank
 
@@ -177,7 +178,9 @@ class HorovodStrategy(_strategies.ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        return False  # Lightning leaves the samplers alone: process_dataloader puts hvdp's in
+        # self.log(sync_dist=True) syncs only then; the DistributedSampler Lightning then puts in the loaders is
+        # replaced by process_dataloader
+        return True
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -205,9 +208,13 @@ class HorovodStrategy(_strategies.ParallelStrategy):
         if not self.optimizers:
             _ht.broadcast(self.lightning_module)
             return
-        raw = _unwrapped(self.optimizers[0])
+        raw = self._raw = _unwrapped(self.optimizers[0])
         prepared = _ht.prepare(self.lightning_module, raw, **self._prepare_kwargs)
         schedule = prepared.hvdp_schedule
+        # The schedulers hold `raw`. prepare()'s broadcast loads rank 0's state_dict into the other ranks'
+        # optimizer, which gives it new param-group dicts: `raw` takes them, so that a scheduler's rates are the
+        # ones the prepared optimizer steps with on every rank.
+        raw.param_groups = prepared.param_groups
         for config in self.lr_scheduler_configs:
             scheduler = config.scheduler
             if getattr(scheduler, "optimizer", None) is not raw:
@@ -236,11 +243,13 @@ class HorovodStrategy(_strategies.ParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         stepping = self._stepping.get(id(optimizer))
         if stepping is None or stepping.optimizer is not optimizer:
-            stepping = self._stepping[id(optimizer)] = _StepAfterClosure(optimizer)
+            stepping = self._stepping[id(optimizer)] = _StepAfterClosure(optimizer, self._raw)
         return super().optimizer_step(stepping, closure, model, **kwargs)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         super().load_optimizer_state_dict(checkpoint)
+        if self._raw is not None and self.optimizers:
+            self._raw.param_groups = _unwrapped(self.optimizers[0]).param_groups  # loaded as new dicts (see setup)
         saved = checkpoint.get("hvdp")
         if not saved or not self.optimizers:
             return
@@ -270,10 +279,9 @@ class HorovodStrategy(_strategies.ParallelStrategy):
     def _sharded(self, dataloader: torch.utils.data.DataLoader, stage) -> object:
         if stage == _RunningStage.TRAINING:
             return self._train_loader(dataloader)
-        if stage in (_RunningStage.VALIDATING, _RunningStage.TESTING, _RunningStage.SANITY_CHECKING,
-                     _RunningStage.PREDICTING):
+        if stage in (_RunningStage.VALIDATING, _RunningStage.TESTING, _RunningStage.SANITY_CHECKING):
             return self._eval_loader(dataloader)
-        return dataloader
+        return dataloader  # predict: Lightning's own split (unpadded, each rank predicts its part)
 
     def _train_loader(self, dataloader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
         if dataloader.batch_size is None:
@@ -281,7 +289,16 @@ class HorovodStrategy(_strategies.ParallelStrategy):
                               "loader has a batch_sampler of its own: build it with batch_size=<per-rank batch> "
                               "(and shuffle=True/False), or pass use_distributed_sampler=False to the Trainer to "
                               "shard the data yourself", rank=self.global_rank)
-        shuffle = isinstance(dataloader.sampler, torch.utils.data.RandomSampler)
+        sampler = dataloader.sampler
+        own = type(getattr(sampler.dataset, "_sampler", sampler)).__name__ if hasattr(sampler, "dataset") else ""
+        if isinstance(sampler, torch.utils.data.DistributedSampler) and type(sampler) is not \
+                torch.utils.data.DistributedSampler:  # Lightning's wrapper around a sampler of the user's
+            raise ConfigError(f"strategy='hvdp' shards the training data itself, in place of a random or sequential "
+                              f"sampler, and this loader's sampler is a {own}: pass "
+                              f"use_distributed_sampler=False to the Trainer and split the data yourself (the run "
+                              f"is then not hvdp's exact one), or drop the sampler", rank=self.global_rank)
+        # the DistributedSampler Lightning put in (shuffle=True for training) or the user's own, or none
+        shuffle = getattr(sampler, "shuffle", isinstance(sampler, torch.utils.data.RandomSampler))
         seed = self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
         dataset = dataloader.dataset
         agree(hvd, lambda: {"batch_size": dataloader.batch_size, "seed": seed, "shuffle": shuffle,
@@ -401,8 +418,8 @@ class _StepAfterClosure:
     training step, the backward pass with the gradients averaged, then Lightning's clipping of the averaged
     gradients) and only then Horovod's step, which would otherwise reduce before the gradients exist."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, raw: torch.optim.Optimizer | None = None):
+        self.optimizer, self.raw = optimizer, raw
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
@@ -410,6 +427,8 @@ class _StepAfterClosure:
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         result = closure() if closure is not None else None
         self.optimizer.step(**kwargs)
+        if self.raw is not None:
+            self.raw._opt_called = True  # what torch's schedulers check: the step they follow was taken
         return result
 
 
