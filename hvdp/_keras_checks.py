@@ -37,6 +37,7 @@ def scale_lr_schedulers(fit_list, optimizer, rank: int) -> None:
     x N of lr_scaling. With warmup_steps the rate is a schedule Keras cannot set: ConfigError with the fix."""
     multiplier = getattr(optimizer, "multiplier", None)
     for callback in fit_list or []:
+        callback = getattr(callback, "hvdp_inner", callback)  # ElasticState.fit's _Continued
         if not isinstance(callback, keras.callbacks.LearningRateScheduler) or multiplier is None:
             continue
         if getattr(optimizer, "warmup_steps", 0):

@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdp import _horovod, _keras_backend, _keras_data
+from hvdp import _horovod, _keras_backend, _keras_data, _keras_rank0
 from hvdp.core.errors import ConfigError
 from hvdp.core.scaling import lr_multiplier
 from hvdp.tensorflow.collectives import _build_optimizer
@@ -102,6 +102,7 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
             raise ConfigError("`epoch` is kept by ElasticState itself (state.epoch, from the data position); "
                               "leave it out of the extras", rank=_rank())
         self.model, self.data = model, data
+        self._continued: dict = {}  # fit's callbacks by identity, kept across fit's epochs and resets (_Continued)
         self.position = (0, 0)  # (epoch, samples of its order trained on): where training is
         _build_optimizer(optimizer, model)  # its variables exist before the first snapshot
         self._snapshot = self._take()
@@ -168,6 +169,14 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         seen = getattr(self.data, "hvdp_seen", None)
         return (rest if seen is None else _keras_data.accept_class_weight(rest, seen, watched)), offset
 
+    def _continue(self, callback) -> _Continued:
+        """The _Continued of the user's `callback` (a Keras writer run on rank 0 only), the same one as long as
+        the state holds it."""
+        held = self._continued.get(id(callback))
+        if held is None or held[0] is not callback:
+            held = self._continued[id(callback)] = (callback, _Continued(_keras_rank0.wrap([callback])[0]))
+        return held[1]
+
     def _advance(self, epoch: int, offset: int, steps: int) -> None:
         """Record that `steps` batches of `epoch` from `offset` were trained on (the next epoch once all were)."""
         plan = self.data.hvdp_position.plan
@@ -195,6 +204,13 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
 
         Raises:
             ConfigError: `commit_every` is not an integer >= 1, or fit_kwargs has an argument fit() sets.
+
+        `callbacks` see one fit, not one per epoch (_Continued): their on_train_begin runs at the first epoch of
+        this call (not again after a reset: the state keeps them by identity, so pass the same objects, built
+        outside the elastic_run function), their on_train_end after the last, so EarlyStopping's patience,
+        ReduceLROnPlateau's plateau and CSVLogger's file span the epochs. A `stop_training` (EarlyStopping,
+        TerminateOnNaN, any callback on any rank: the ranks agree, hvdp/_keras_stop.py) ends this call after
+        that epoch. Keras's file writers among them run on rank 0 only (hvdp/_keras_rank0.py).
         """
         from hvdp.keras import DistributedCallback, _RankZeroProgbar
 
@@ -205,16 +221,64 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
             raise ConfigError(f"ElasticState.fit sets {', '.join(taken)} itself (the data and epochs follow the "
                               f"state's position); leave them out", rank=_rank())
         fit_kwargs.setdefault("shuffle", False)  # the order is shard()'s; Keras warns about shuffle=True on a Dataset
+        continued = [self._continue(c) for c in callbacks or []]
         histories = []
-        while self.epoch < epochs:
+        self.model.stop_training = False
+        while self.epoch < epochs and not self.model.stop_training:
             data, offset = self._rest_of_epoch()
             setup = DistributedCallback(data=None)
             setup._broadcast_first = False
             histories.append(self.model.fit(
                 data, initial_epoch=self.epoch, epochs=self.epoch + 1, **fit_kwargs,
-                callbacks=[setup, *(callbacks or []), _RankZeroProgbar(),
-                           _Commit(self, self.epoch, offset, commit_every)]))
+                callbacks=[setup, *continued, _RankZeroProgbar(), _Commit(self, self.epoch, offset, commit_every)]))
+        for c in continued:  # their on_train_end, once, after the last epoch (or the agreed stop)
+            c.end()
         return histories
+
+
+class _Continued(keras.callbacks.Callback):
+    """A user's callback across ElasticState.fit's one model.fit per epoch, as it would see one fit: its
+    on_train_begin at the first fit only (until end()), its on_train_end deferred to end(), every other hook
+    passed on as it comes. `hvdp_inner` is the callback (hvdp.keras's checks look through to it)."""
+
+    def __init__(self, callback):
+        super().__init__()
+        self.hvdp_inner = callback
+        self._began, self._logs = False, None
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.hvdp_inner.set_params(params)
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.hvdp_inner.set_model(model)
+
+    def on_train_begin(self, logs=None):
+        if not self._began:
+            self._began = True
+            self.hvdp_inner.on_train_begin(logs)
+
+    def on_train_end(self, logs=None):
+        self._logs = logs
+
+    def end(self) -> None:
+        """The callback's on_train_end (the fits this ElasticState.fit made are over); the next call begins anew."""
+        if self._began:
+            self._began = False
+            self.hvdp_inner.on_train_end(self._logs)
+
+
+def _forward(hook):
+    def forward(self, *args, **kwargs):
+        return getattr(self.hvdp_inner, hook)(*args, **kwargs)
+    forward.__name__ = hook
+    return forward
+
+
+for _hook in _keras_rank0._HOOKS:
+    if _hook not in vars(_Continued):
+        setattr(_Continued, _hook, _forward(_hook))
 
 
 class _Commit(keras.callbacks.Callback):

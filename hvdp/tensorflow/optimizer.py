@@ -270,6 +270,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """This optimizer's variables (the accumulation counter and accumulators), then the wrapped one's."""
         return self._variables[:] + self.inner_optimizer.variables
 
+    @tf.autograph.experimental.do_not_convert  # plain Python, at the first call (a trace inside a tf.function)
+    def _check_fit(self) -> None:
+        """At the first apply: refuse a Keras model.fit run without hvdp.keras.callbacks() (_keras_checks)."""
+        if not getattr(self, "_hvdp_checked_fit", False):
+            self._hvdp_checked_fit = True
+            w = _keras_backend.ensure_init()
+            _keras_checks.refuse_fit_without_callbacks(self, w.size, w.rank)
+
     def apply(self, grads, trainable_variables=None):
         """Average `grads` across ranks and apply them with the wrapped optimizer (fit calls it each step).
 
@@ -286,10 +294,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 in a world of 2+ ranks without hvdp.keras.callbacks() (nothing broadcast rank 0's weights).
         """
         grads = list(grads)
-        if not self.built or not getattr(self, "_hvdp_checked_fit", False):  # first call: a fit without callbacks
-            self._hvdp_checked_fit = True
-            w = _keras_backend.ensure_init()
-            _keras_checks.refuse_fit_without_callbacks(self, w.size, w.rank)
+        self._check_fit()
         if not self.built:
             if trainable_variables is None:
                 raise ConfigError("DistributedOptimizer.apply needs trainable_variables on its first call")

@@ -607,6 +607,48 @@ def learning_rate_scheduler_keeps_the_scaling_and_nested_data_equals_one_process
         assert diff <= 1e-5, diff
 
 
+# ----------------------------------------------------- row 8: ElasticState.fit keeps its callbacks' state across epochs
+
+class _Constant(keras.callbacks.Callback):
+    """Puts a value that never improves in the epoch's logs (for EarlyStopping and ReduceLROnPlateau to watch)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["flat"] = 1.0
+
+
+@check
+def elastic_fit_keeps_callbacks_state_across_epochs_and_stops(tmp):
+    # Before: one model.fit per epoch reset them: EarlyStopping never fired (5 of 5 epochs trained against 3),
+    # ReduceLROnPlateau never reduced, CSVLogger rewrote its file each epoch (one row).
+    if keras.backend.backend() != "tensorflow":
+        return  # ElasticState runs on the TensorFlow backend only (a ConfigError on torch)
+    out = tmp / "elastic"
+    out.mkdir(exist_ok=True)
+    model = _model()
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=LOSS)
+    data = hk.shard(_data(), batch_size=BATCH, seed=3)
+    state = hk.ElasticState(model, data)
+    history = keras.callbacks.History()
+    callbacks = [_Constant(), keras.callbacks.EarlyStopping(monitor="flat", mode="min", patience=2),
+                 keras.callbacks.ReduceLROnPlateau(monitor="flat", mode="min", patience=1, factor=0.5,
+                                                   min_lr=0.0),
+                 keras.callbacks.CSVLogger(str(out / "log.csv")), history]
+    state.fit(5, callbacks=callbacks, verbose=0)
+    _replicas_identical(model, "elastic")
+    # the flat value was best at epoch 0; EarlyStopping stops after epoch 2 (patience 2), and the state stopped too
+    assert state.epoch == 3 and int(model.optimizer.iterations) == 3 * STEPS, (state.epoch,
+                                                                               int(model.optimizer.iterations))
+    rate = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+    assert abs(rate - 0.05 * world.size * 0.25) <= 1e-7, rate  # reduced after epochs 1 and 2
+    if world.rank == 0:
+        rows = (out / "log.csv").read_text().strip().splitlines()
+        assert len(rows) == 4 and rows[0].startswith("epoch"), rows  # the header, epochs 0, 1, 2
+        assert [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2"], rows
+    # a stop on one rank mid-run (stop_training) ends state.fit on every rank after that epoch
+    state.fit(8, callbacks=[_StopOn(LAST, epoch=4)], verbose=0)
+    assert state.epoch == 5, state.epoch
+
+
 # ------------------------------------------------------------ row 4: SyncBatchNormalization at large input means
 
 def _normalised(layer):
