@@ -325,8 +325,9 @@ class HorovodStrategy(_strategies.ParallelStrategy):
         return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **kwargs)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # Which batch prepare()'s gradient hooks weigh: the loader tells them as it hands a batch out, but
-        # Lightning fetches one batch ahead, so the Trainer's own count of the batch it trains on is used.
+        # Which batch prepare()'s gradient hooks weigh: the loader tells them as it hands a batch out, and
+        # Lightning may fetch ahead of the batch it trains on (a loader without len()): the Trainer's own
+        # count of the batch being trained on is the one that holds.
         if self._train_sampler is not None:
             _Batch.sampler, _Batch.index = self._train_sampler, batch_idx
 
