@@ -31,6 +31,7 @@ import importlib
 import io
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,7 +41,7 @@ import torch.utils.data
 from hvdp._horovod import agree
 from hvdp.core import checkpoint as _ckpt
 from hvdp.core.errors import CheckpointError, ConfigError, SetupError
-from hvdp.core.sharding import ShardPlan, rank_bounds
+from hvdp.core.sharding import ShardPlan, eval_batches
 from hvdp import torch as _ht
 from hvdp.torch.data import ShardSampler, _ShardLoader, _data_identity
 from hvdp.torch.optimizer import _rescale_groups, _rescale_scheduler_states
@@ -153,6 +154,9 @@ class HorovodStrategy(_strategies.ParallelStrategy):
         self._raw: torch.optim.Optimizer | None = None  # the optimizer configure_optimizers built, before prepare()
         self._stepping: dict[int, _StepAfterClosure] = {}
         rank_zero_only.rank = self._world.rank
+        # Lightning's advice against its DistributedSampler in validate()/test() (it pads): process_dataloader
+        # replaces that sampler by unpadded slices
+        warnings.filterwarnings("ignore", message="Using `DistributedSampler` with the dataloaders. During `trainer")
 
     # ------------------------------------------------------------------------------------------ the world
 
@@ -447,37 +451,18 @@ class _EpochSampler(ShardSampler):
 
 
 class EvalBatches(torch.utils.data.Sampler):
-    """The evaluation batches of `rank`: each global batch of size * batch_size consecutive samples split as
-    shard() splits a training batch (the last one as evenly as possible), never padded, so that every sample
-    is scored exactly once and the ranks take the same number of batches (one fewer on the ranks left without
-    a sample of a last global batch smaller than the world). Pure: every rank's batches can be built in one
-    process.
-
-    Args:
-        n: the number of samples.
-        batch_size: samples per rank per batch (>= 1).
-        rank: this rank, 0 <= rank < size.
-        size: the number of ranks.
-    """
+    """A batch sampler of `rank`'s evaluation batches (hvdp.core.sharding.eval_batches): contiguous slices of
+    each global batch, unpadded, so that every sample is scored exactly once and a metric logged with
+    sync_dist=True is the mean over all of them."""
 
     def __init__(self, n: int, batch_size: int, rank: int, size: int):
-        if batch_size < 1:
-            raise ConfigError(f"an evaluation DataLoader's batch_size must be >= 1, got {batch_size}", rank=rank)
-        self.n, self.batch_size, self.rank, self.size = n, batch_size, rank, size
+        self.batches = eval_batches(n, batch_size, rank, size)
 
     def __iter__(self):
-        step = self.size * self.batch_size
-        for start in range(0, self.n, step):
-            count = min(step, self.n - start)
-            if count < self.size:
-                if self.rank < count:
-                    yield [start + self.rank]
-                continue
-            lo, hi = rank_bounds(count, self.batch_size, self.size, self.rank)
-            yield list(range(start + lo, start + hi))
+        return iter(self.batches)
 
     def __len__(self) -> int:
-        return sum(1 for _ in self)
+        return len(self.batches)
 
 
 def _reduce_op(reduce_op: Any):

@@ -333,6 +333,39 @@ def eval_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
     return _split(n, size, rank)
 
 
+def eval_batches(n: int, batch_size: int, rank: int, size: int) -> list[list[int]]:
+    """`rank`'s evaluation batches (sample indices) when a loop steps through the data together (hvdp.lightning).
+
+    Each global batch of size * batch_size consecutive samples is split as a training batch is (rank_bounds: the
+    last one as evenly as possible), never padded: every sample is scored exactly once, and every rank takes the
+    same number of batches, except that a last global batch of fewer samples than ranks gives one sample to
+    each of its first ranks and none to the others.
+
+    Args:
+        n: the number of evaluation samples.
+        batch_size: samples per rank per batch, >= 1.
+        rank: the rank, 0 <= rank < size.
+        size: the number of ranks.
+
+    Raises:
+        ConfigError: batch_size < 1, or `rank` outside [0, size).
+    """
+    if batch_size < 1:
+        raise ConfigError(f"an evaluation batch_size must be >= 1, got {batch_size}", rank=rank)
+    if not 0 <= rank < size:
+        raise ConfigError(f"rank {rank} is outside a world of size {size}")
+    batches = []
+    for start in range(0, n, size * batch_size):
+        count = min(size * batch_size, n - start)
+        if count < size:
+            if rank < count:
+                batches.append([start + rank])
+            continue
+        lo, hi = rank_bounds(count, batch_size, size, rank)
+        batches.append(list(range(start + lo, start + hi)))
+    return batches
+
+
 def eval_means(sums: dict[str, float], count: float, rank: int) -> dict[str, float]:
     """What evaluate() returns from the summed metrics of every rank's slice (`eval_bounds`): each sum divided
     by the number of samples scored, and that number as "samples".
@@ -380,5 +413,5 @@ def keepers(hosts: list[str]) -> list[int]:
     return out
 
 
-__all__ = ["keepers", "epoch_order", "rank_bounds", "real_count", "exact_weight", "ShardPlan", "StreamSplit", "eval_bounds",
+__all__ = ["keepers", "epoch_order", "rank_bounds", "real_count", "exact_weight", "ShardPlan", "StreamSplit", "eval_bounds", "eval_batches",
            "eval_means"]

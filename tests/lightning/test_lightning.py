@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from hvdp.core.sharding import eval_batches
 from tests.checks import assert_passed, check_names
-from tests.launch import run_checks
+from tests.launch import result_line, run, run_checks
 
 WORKER = Path(__file__).with_name("worker_lightning.py")
 
@@ -20,3 +21,40 @@ def results(request, tmp_path_factory):
 @pytest.mark.parametrize("name", check_names(WORKER))
 def test_lightning_check(results, name):
     assert_passed(results, name)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_lightning.py"
+
+
+def test_example_trains_and_scores_every_test_sample_once():
+    # examples/train_lightning.py under horovodrun: one argument of the Trainer changed (strategy="hvdp")
+    proc = run("gloo", EXAMPLE, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = result_line(proc.stdout)
+    assert result["world_size"] == 2 and result["framework"] == "lightning", result
+    assert result["test_samples"] == 359, result  # sync_dist over hvdp's unpadded slices: each sample once
+    assert result["test_accuracy"] >= 0.95, result
+    assert "Using `DistributedSampler`" not in proc.stderr  # Lightning's advice against padding does not apply
+
+
+def test_hvdp_imports_no_lightning():
+    code = "import sys, hvdp, hvdp.torch; print([m for m in ('lightning', 'pytorch_lightning') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 5, 7, 16, 29])
+@pytest.mark.parametrize("batch_size", [1, 2, 4])
+def test_eval_batches_score_every_sample_once(n, batch_size, size):
+    plans = [eval_batches(n, batch_size, rank, size) for rank in range(size)]
+    # every sample exactly once, in order when read step by step and rank by rank
+    steps = max(len(p) for p in plans)
+    read = [i for step in range(steps) for p in plans if step < len(p) for i in p[step]]
+    assert read == list(range(n))
+    # the same number of batches on every rank, but where a last global batch is smaller than the world
+    full = -(-n // (size * batch_size))
+    short = n % (size * batch_size)
+    for rank, p in enumerate(plans):
+        assert len(p) == (full - 1 if 0 < short < size and rank >= short else full), (rank, p)
+        assert all(len(b) >= 1 for b in p) and all(b == list(range(b[0], b[-1] + 1)) for b in p)
