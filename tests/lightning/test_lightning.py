@@ -13,14 +13,28 @@ from tests.launch import result_line, run, run_checks
 WORKER = Path(__file__).with_name("worker_lightning.py")
 
 
+TMP = {}  # the launch's folder, by launcher: its checkpoints for test_resume_on_one_process
+
+
 @pytest.fixture(scope="module", params=["mpi", "gloo"])
 def results(request, tmp_path_factory):
-    return request.param, run_checks(request.param, WORKER, tmp_path_factory.mktemp(request.param), timeout=300)
+    TMP[request.param] = tmp_path_factory.mktemp(request.param)
+    return request.param, run_checks(request.param, WORKER, TMP[request.param], timeout=300)
 
 
 @pytest.mark.parametrize("name", check_names(WORKER))
 def test_lightning_check(results, name):
     assert_passed(results, name)
+
+
+def test_resume_on_one_process_of_a_two_rank_checkpoint(results):
+    # the checkpoint the gloo launch wrote (check resumes_at_another_world_size), resumed by plain python
+    if results[0] != "gloo":
+        pytest.skip("once, from the gloo launch's checkpoint")
+    name = "resumes_at_another_world_size"
+    assert_passed(results, name)
+    resumed = run_checks("python", WORKER, TMP["gloo"], np=1, timeout=300, extra_env={"HVDP_CHECKS": name})
+    assert_passed(("python", resumed), name)
 
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_lightning.py"

@@ -258,6 +258,50 @@ def checkpoint_from_rank_0_only_and_resume_exact(tmp):
     assert dw < 1e-5, dw
 
 
+RESIZE_N = 29  # the data of the resize check, whatever the world size
+
+
+def reference_resized(sizes: list[int], dataset) -> torch.nn.Module:
+    """One process that takes epoch e with the global batch B * sizes[e] at the rate x sizes[e] (StepLR's decay
+    carried over): what a job of sizes[0] ranks, resumed on sizes[1] ranks from its checkpoint, must give."""
+    model = Net("sgd")
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    x, y = dataset.tensors
+    for epoch, size in enumerate(sizes):
+        for g in opt.param_groups:
+            g["lr"] = LR * size * 0.5 ** epoch
+        order = torch.as_tensor(epoch_order(len(x), seed=SEED, epoch=epoch, shuffle=True))
+        for i in range(0, len(x), B * size):
+            idx = order[i:i + B * size]
+            F.mse_loss(model(x[idx]), y[idx]).backward()
+            opt.step()
+            opt.zero_grad()
+    return model
+
+
+@check
+def resumes_at_another_world_size(tmp):
+    # In the job of 2+ ranks: one epoch, checkpointed. Then test_lightning.py resumes it in one process (plain
+    # python, HVDP_CHECKS=resumes_at_another_world_size): the rates and the scheduler's are rescaled from x2 to x1.
+    dataset = data(RESIZE_N)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True)
+    d = Path(tmp) / "resize"
+    if world.size > 1:
+        t = trainer(max_epochs=1, enable_checkpointing=True,
+                    callbacks=[pl.callbacks.ModelCheckpoint(dirpath=d, save_last=True, save_top_k=0)])
+        t.fit(Net("sgd", scheduler=True), loader)
+        saved = torch.load(d / "last.ckpt", weights_only=False)["hvdp"]
+        assert saved == {"size": world.size, "multiplier": float(world.size), "steps": 4}, saved
+        return
+    written = torch.load(d / "last.ckpt", weights_only=False)["hvdp"]["size"]
+    assert written > 1, written
+    module = Net("sgd", scheduler=True)
+    trainer(max_epochs=3).fit(module, loader, ckpt_path=d / "last.ckpt")
+    dw = max_dw(module, reference_resized([written, 1, 1], dataset))
+    print(f"[rank {world.rank}] resumed from {written} ranks on 1: max |dw| {dw:.3g}", file=sys.stderr)
+    assert dw < 1e-5, dw
+
+
 @check
 def loggers_write_on_rank_0_only(tmp):
     logs = Path(tmp) / f"logs-rank{world.rank}"
