@@ -24,6 +24,9 @@ import keras
 from hvdp import _keras_backend
 
 
+SIGNALLED = 2.0  # the request's value when a stop signal made it (1.0: a callback's)
+
+
 class StopFlag:
     """This rank's request to stop (asked, a Keras variable the compiled step reads) and the ranks' agreement
     (agreed: a Keras variable the compiled step writes on TensorFlow, a bool on torch, where the step is eager)."""
@@ -32,21 +35,36 @@ class StopFlag:
         self.asked_variable = keras.Variable(0.0, dtype="float32", trainable=False, name="hvdp_stop_asked")
         self._agreed = False if _keras_backend.on_torch() else keras.Variable(
             0.0, dtype="float32", trainable=False, name="hvdp_stop_agreed")
+        # the steps run without applying anything since the agreement, that one included (its data was read)
+        self._skipped = 0 if _keras_backend.on_torch() else keras.Variable(
+            0, dtype="int64", trainable=False, name="hvdp_stop_skipped")
 
     def reset(self) -> None:
         """No request, no agreement (at each fit's start and end)."""
         self.asked_variable.assign(0.0)
         if _keras_backend.on_torch():
-            self._agreed = False
+            self._agreed, self._skipped = False, 0
         else:
             self._agreed.assign(0.0)
+            self._skipped.assign(0)
+
+    def skipped(self) -> int:
+        """How many of the steps read so far applied nothing: the one that carried the agreement and those
+        after it in the same steps_per_execution loop (the same on every rank)."""
+        return self._skipped if _keras_backend.on_torch() else int(keras.ops.convert_to_numpy(self._skipped))
 
     def ask(self) -> None:
         """Ask every rank to stop: the next gradient all-reduce carries it."""
         self.asked_variable.assign(1.0)
 
+    def ask_for_signal(self) -> None:
+        """A stop signal's request (hvdp/_preemption.py's thread, possibly mid-step): carried the same way, but
+        an epoch's end does not settle it (the next epoch's first step carries it, and the ranks checkpoint)."""
+        self.asked_variable.assign(SIGNALLED)
+
     def asked(self) -> bool:
-        return float(keras.ops.convert_to_numpy(self.asked_variable)) > 0
+        """Whether a callback on this rank asked to stop (not a signal: see ask_for_signal)."""
+        return float(keras.ops.convert_to_numpy(self.asked_variable)) == 1.0
 
     def agreed(self) -> bool:
         """Whether a gradient all-reduce carried some rank's request (the same answer on every rank)."""
@@ -77,15 +95,20 @@ def reduce_then_apply(optimizer, grads: list, variables: list, apply, allreduce)
     dtype = "float32" if present is None else keras.backend.standardize_dtype(present.dtype)
     if _keras_backend.on_torch():
         if flag._agreed:
+            flag._skipped += 1
             return
         reduced = allreduce([*grads, keras.ops.cast(flag.asked_variable.value, dtype)],
                             [*variables, flag.asked_variable])
         if float(reduced[-1]) > 0:
-            flag._agreed = True
+            flag._agreed, flag._skipped = True, flag._skipped + 1
             return
         apply(reduced[:-1])
         return
     import tensorflow as tf
+
+    def skip():
+        flag._skipped.assign_add(1)
+        return tf.constant(False)
 
     def run():
         reduced = allreduce([*grads, tf.cast(flag.asked_variable.value, dtype)], [*variables, flag.asked_variable])
@@ -96,9 +119,9 @@ def reduce_then_apply(optimizer, grads: list, variables: list, apply, allreduce)
             apply(reduced[:-1])
             return tf.constant(True)
 
-        return tf.cond(stop, lambda: tf.constant(False), step)
+        return tf.cond(stop, skip, step)
 
-    tf.cond(flag._agreed.value > 0, lambda: tf.constant(False), run)
+    tf.cond(flag._agreed.value > 0, skip, run)
 
 
 class AgreeOnStop(keras.callbacks.Callback):

@@ -26,6 +26,8 @@ _previous: dict[int, object] = {}  # the handlers ours replaced, restored by dis
 _received: list[str] = []          # the stop signals this rank got, in order
 _armed = False                     # the loop has asked once: from now on a signal waits for the loop
 _agreement: policy.Agreement | None = None
+_now: list[Callable[[], None]] = []  # run from hvdp's thread as soon as a stop signal arrives (on_signal_now)
+_wakeup: tuple[int, int] | None = None  # the pipe signal.set_wakeup_fd writes each signal's number into
 
 
 def enable(preemption: bool | None, world: World) -> None:
@@ -68,6 +70,7 @@ def disable() -> None:
         signal.signal(sig, previous)
     _previous.clear()
     _received.clear()
+    _now.clear()
     _settings, _armed, _agreement = None, False, None
 
 
@@ -103,6 +106,69 @@ def _handle(signum: int, frame) -> None:
         os.write(2, f"hvdp: rank {_rank} got {name}: every rank will stop after the step they agree on, write a "
                     f"checkpoint and exit with {_settings.exit_code} (requeue)\n".encode())
     _received.append(name)
+
+
+def arm() -> None:
+    """From now on a stop signal waits for the loop (a loop that agrees without check(): hvdp.keras's fit)."""
+    global _armed
+    _armed = _settings is not None
+
+
+def on_signal_now(callback: Callable[[], None]) -> bool:
+    """Run `callback` on a thread of hvdp's as soon as a stop signal reaches this process once armed, even
+    while the main thread is inside a compiled step (Python runs a signal's handler only when the main thread
+    is between two bytecodes: after a whole steps_per_execution loop of a compiled Keras step). The C-level
+    handler writes each signal's number into signal.set_wakeup_fd's pipe; the thread reads it there.
+
+    Returns:
+        False, installing nothing, when preemption is off, outside the main thread, or when another wakeup fd
+        is set (an asyncio loop's): the caller keeps its step-boundary check.
+    """
+    global _wakeup
+    if _settings is None or threading.current_thread() is not threading.main_thread():
+        return False
+    if _wakeup is None:
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        if signal.set_wakeup_fd(write, warn_on_full_buffer=False) != -1:
+            signal.set_wakeup_fd(-1)  # someone else's: give it back
+            os.close(read)
+            os.close(write)
+            return False
+        _wakeup = (read, write)
+        threading.Thread(target=_watch, args=(read,), name="hvdp-preemption", daemon=True).start()
+    if callback not in _now:
+        _now.append(callback)
+    if _received:  # a signal already handled (between two steps): act on it now
+        callback()
+    return True
+
+
+def forget_signal_now(callback: Callable[[], None]) -> None:
+    """Stop running `callback` on a stop signal (the loop that registered it has ended)."""
+    if callback in _now:
+        _now.remove(callback)
+
+
+def _watch(read: int) -> None:
+    """hvdp's preemption thread: each stop signal's number from the wakeup pipe runs the on_signal_now callbacks."""
+    while True:
+        try:
+            data = os.read(read, 64)
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+        if not data:
+            return
+        names = {signal.Signals(b).name for b in data if b in signal.valid_signals()}
+        if _armed and _settings is not None and names & set(_settings.signals):
+            for callback in list(_now):
+                try:
+                    callback()
+                except Exception as e:  # noqa: BLE001 - the thread must live on; the loop's own check remains
+                    os.write(2, f"hvdp: rank {_rank}: acting on the stop signal at once failed ({e!r}); the "
+                                f"ranks stop at the next step boundary instead\n".encode())
 
 
 def check(make_agreement: Callable[[], policy.Agreement]) -> bool:

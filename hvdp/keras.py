@@ -281,6 +281,7 @@ class DistributedCallback(keras.callbacks.Callback):
         self._train_results: dict | None = None  # the epoch's training metrics, summed before validation
         self._val_results: dict | None = None  # the epoch's validation metrics, summed at its end
         self._fitting = False
+        self._signal_route = None  # the StopFlag's ask, run by hvdp's thread on a stop signal (_preemption)
 
     def on_train_begin(self, logs=None):
         """Check the setup, turn XLA off, then resume the newest checkpoint or broadcast rank 0's state.
@@ -350,11 +351,17 @@ class DistributedCallback(keras.callbacks.Callback):
         if not any(isinstance(c, _keras_stop.AgreeOnStop) for c in fit_list):
             fit_list.append(_keras_stop.AgreeOnStop(flag))
             fit_list[-1].set_model(self.model)
+        if self.checkpoint_dir and _preemption.enabled():  # a stop signal rides the next step's all-reduce
+            _preemption.arm()
+            self._signal_route = flag.ask_for_signal if _preemption.on_signal_now(flag.ask_for_signal) else None
 
     def on_train_end(self, logs=None):
         """Forget the resumed epoch, so that a later fit() starts from its own initial_epoch, and a stop the
         ranks agreed on (the next fit starts without one); `logs` unused."""
         self._fitting = False
+        if self._signal_route is not None:
+            _preemption.forget_signal_now(self._signal_route)
+            self._signal_route = None
         if self.resumed is not None:
             self.model._initial_epoch = None
         flag = getattr(self.model.optimizer, "_hvdp_stop", None)
@@ -376,7 +383,7 @@ class DistributedCallback(keras.callbacks.Callback):
         model.reset_metrics()
         for batch in range(0, remaining, model.steps_per_execution):
             model.train_function(iterator)
-            self._stop_if_preempted(first + batch + model.steps_per_execution)
+            self._stop_if_preempted(min(first + batch + model.steps_per_execution, first + remaining))
         self.on_epoch_end(epoch)
         model._initial_epoch = epoch + 1
 
@@ -394,10 +401,25 @@ class DistributedCallback(keras.callbacks.Callback):
         self._stop_if_preempted(batch + 1)
 
     def _stop_if_preempted(self, step: int) -> None:
-        if self.checkpoint_dir and _preemption.enabled() and _keras_backend.preempted():
-            save_checkpoint(self.checkpoint_dir, self.model, self.model.optimizer, epoch=self._epoch, step=step,
-                            global_step=int(self.model.optimizer.iterations), keep=self.keep)
-            _keras_backend.exit_for_requeue()
+        """After the step that ends at batch `step` of the epoch: with a stop signal on some rank, write the
+        checkpoint and exit 75 on every rank. With the signal carried by the gradient all-reduce (a StopFlag:
+        within 2 steps of the signal, whatever steps_per_execution), once the ranks agreed to stop; else every
+        hvdp.tensorflow.preemption.CHECK_EVERY calls."""
+        if not (self.checkpoint_dir and _preemption.enabled()):
+            return
+        flag = getattr(self.model.optimizer, "_hvdp_stop", None)
+        if self._signal_route is not None and flag is not None:
+            if not flag.agreed():
+                return
+            signalled = 1.0 if _preemption.received() else 0.0
+            if _keras_backend.allreduce_mean([signalled], "hvdp.preempted")[0] == 0:
+                return  # a callback's stop_training, not a signal: fit stops as it asked
+            step -= flag.skipped()  # the steps that read their batches and applied nothing are redone
+        elif not _keras_backend.preempted():
+            return
+        save_checkpoint(self.checkpoint_dir, self.model, self.model.optimizer, epoch=self._epoch, step=step,
+                        global_step=int(self.model.optimizer.iterations), keep=self.keep)
+        _keras_backend.exit_for_requeue()
 
     def _summed(self) -> dict[str, float]:
         """The model's compiled metrics from their state summed over the ranks. The loss is left to the
@@ -466,7 +488,7 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
     - averages the epoch's metrics (loss, accuracy, val_*) over ranks in the logs;
     - with `checkpoint_dir`, writes a checkpoint at every epoch end (rank 0, atomic, keeps `keep`), and with
       preemption on (init(preemption=True)), on a SIGTERM or SIGUSR1 to any rank one mid-epoch checkpoint
-      after the step the ranks agree on (within hvdp.tensorflow.preemption.CHECK_EVERY steps), then every
+      after the step the ranks agree on (within 2 steps of the signal), then every
       rank exits with 75 for a requeue; the rerun trains the rest of that epoch before fit's first epoch
       (the later callbacks see no on_epoch_end for it), then fit continues;
     - shows fit's progress bar (verbose=1 or 2) on rank 0 only;

@@ -94,7 +94,11 @@ def test_a_stop_signal_checkpoints_exits_75_and_the_rerun_is_bit_identical(tmp_p
     else:
         assert job.returncode == 1 and re.search(r"Exit code:\s+75", out), out[-3000:]
     steps = sorted(int(p.name[5:13]) for p in tmp_path.glob("ckpt-*"))
-    assert steps[0] == STEPS_PER_EPOCH and steps[-1] % STEPS_PER_EPOCH, f"no mid-epoch checkpoint: {steps}"
+    # the signal lands as the second epoch starts: PyTorch's loop stops 1 or 2 steps later, mid-epoch; Keras's
+    # fit may stop at that epoch's first step, whose all-reduce carried the signal and applied nothing: its
+    # checkpoint is then the epoch's boundary again (test_keras_acts_on_a_signal_within_2_steps... takes one mid-epoch)
+    assert steps[0] == STEPS_PER_EPOCH and (steps[-1] % STEPS_PER_EPOCH or framework == "keras"), \
+        f"no mid-epoch checkpoint: {steps}"
 
     resumed = run(launcher, script, *EPOCHS, "--checkpoint-dir", str(tmp_path), timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -102,6 +106,36 @@ def test_a_stop_signal_checkpoints_exits_75_and_the_rerun_is_bit_identical(tmp_p
     assert f"resumed from epoch {epoch} step {step} (optimizer step {steps[-1]})" in resumed.stdout
     result, straight = result_line(resumed.stdout), uninterrupted(framework)
     assert (result["weights_sha256"], result["test_loss"]) == (straight["weights_sha256"], straight["test_loss"])
+
+
+KERAS_PREEMPT = ROOT / "tests" / "tensorflow" / "worker_keras_preempt.py"
+
+
+@pytest.mark.parametrize("spe", [1, 8])
+def test_keras_acts_on_a_signal_within_2_steps_whatever_steps_per_execution(tmp_path, spe):
+    """issue 45: rank 1 gets SIGTERM inside its 31st step (of 24 per epoch), mid-way through a compiled
+    steps_per_execution loop. The signal rides the next gradient all-reduce (hvdp/_keras_stop.py), so every
+    rank stops within 2 steps of it and checkpoints the position of the last step applied; the rerun resumes
+    there and ends with the uninterrupted run's weights (steps_per_execution 1 and 8 train the same weights).
+    On the old code (a check every 10 calls of on_train_batch_end, one call per execution) the checkpoint was
+    at step 40 with spe=1, and with spe=8 the 2 epochs ended untouched (exit 0): call 10 is step 80."""
+    if "straight" not in _UNINTERRUPTED:
+        proc = run("mpi", KERAS_PREEMPT, "--checkpoint-dir", str(tmp_path / "straight"), timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        _UNINTERRUPTED["straight"] = result_line(proc.stdout)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    proc = run("mpi", KERAS_PREEMPT, "--spe", str(spe), "--checkpoint-dir", str(ckpt), "--signal-at", "31",
+               timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 75 and "rank 1 got SIGTERM" in out, out[-3000:]
+    signalled = int((ckpt / "signalled-at").read_text())
+    last = max(int(p.name[5:13]) for p in ckpt.glob("ckpt-*"))
+    assert signalled - 1 <= last <= signalled + 2, f"signal in step {signalled}, checkpoint after step {last}"
+    resumed = run("mpi", KERAS_PREEMPT, "--spe", str(spe), "--checkpoint-dir", str(ckpt), timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from epoch 1 step {last - 24} (optimizer step {last})" in resumed.stdout
+    assert result_line(resumed.stdout)["weights_sha256"] == _UNINTERRUPTED["straight"]["weights_sha256"]
 
 
 def test_workers_outlive_a_signal_to_every_process_and_the_rerun_is_bit_identical(tmp_path):

@@ -539,7 +539,11 @@ class Watchdog:
         """Which ranks had not entered the collective the others were in, by name, from this rank's own state
         and its peers' last heartbeats ("" when every rank in a collective has the others' submitted). A peer
         not heard from for longer than STALE_BEATS heartbeat intervals is left out of that (its last heartbeat
-        says where it was, not where it is: a host whose network is gone) and named as not heard from."""
+        says where it was, not where it is: a host whose network is gone) and named as not heard from.
+
+        Args:
+            now: the current time.monotonic(); default None reads the clock.
+        """
         now = time.monotonic() if now is None else now
         stale = self.interval * STALE_BEATS
         fresh = {r: p for r, p in self.state.items() if now - p.heard <= stale}

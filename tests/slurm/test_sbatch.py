@@ -35,6 +35,7 @@ class Job:
     allocation: tuple[str, ...]  # sbatch options: each form SLURM_TASKS_PER_NODE takes is exercised
     disturb: str | None = None   # "usr1", "batch-usr1", "requeue" or "suspend", once its first checkpoint exists
     env: dict = field(default_factory=dict)
+    args: tuple[str, ...] = ()  # the job's own arguments (after the script's `--`)
     id: int = 0
     out: Path | None = None
     checkpoints: Path | None = None
@@ -65,10 +66,14 @@ UNINTERRUPTED = {
 DISTURBED = {
     "usr1": Job("SIGUSR1 to the ranks (scancel --signal=USR1)", "srun", ("--nodes=1", "--ntasks-per-node=2"),
                 "usr1"),
+    # these two read their samples from files with shard(num_workers=2) (examples/train_torch.py --files, the
+    # same training as from memory): Slurm's requeue signals every process of the job, DataLoader workers too
+    # (issue 45: the checkpoint was lost to "DataLoader worker exited unexpectedly")
     "batch-usr1": Job("SIGUSR1 to the batch shell (scancel --batch --signal=USR1, as --signal=B:USR1@120 at the "
-                      "time limit)", "horovodrun", ("--nodes=1", "--ntasks-per-node=2"), "batch-usr1"),
-    "requeue": Job("scontrol requeue (SIGTERM to every process)", "mpirun", ("--nodes=2", "--ntasks-per-node=1"),
-                   "requeue"),
+                      "time limit), 2 DataLoader workers per rank", "horovodrun", ("--nodes=1", "--ntasks-per-node=2"),
+                      "batch-usr1", args=("--files", "{work}/batch-usr1-files")),
+    "requeue": Job("scontrol requeue (SIGTERM to every process, DataLoader workers too)", "mpirun",
+                   ("--nodes=2", "--ntasks-per-node=1"), "requeue", args=("--files", "{work}/requeue-files")),
     "suspend": Job(f"scontrol suspend for {SUSPEND_SECONDS} s, then resume", "srun",
                    ("--nodes=1", "--ntasks-per-node=2"), "suspend", env={"HVDP_WATCHDOG_TIMEOUT": WATCHDOG_TIMEOUT}),
 }
@@ -91,7 +96,8 @@ def jobs(slurm, tmp_path_factory) -> dict:
         job.out, job.checkpoints = work / f"{name}.out", work / f"{name}-checkpoints"
         job.submitted = time.monotonic()
         script = edited if key == ("srun", 2) else SCRIPT
-        job.id = slurm.sbatch(*job.allocation, "--cpus-per-task=1", f"--output={job.out}", str(script),
+        args = ["--", *(a.format(work=work) for a in job.args)] if job.args else []
+        job.id = slurm.sbatch(*job.allocation, "--cpus-per-task=1", f"--output={job.out}", str(script), *args,
                               cwd=work, HVDP_LAUNCHER=job.launcher, HVDP_CHECKPOINT_DIR=str(job.checkpoints),
                               **job.env)
     deadline = time.monotonic() + 900
@@ -163,6 +169,7 @@ def test_preempted_job_requeues_and_ends_with_the_uninterrupted_weights(jobs, di
     assert len(resumes) == 1 and int(resumes[0][1]) > 0, f"not resumed mid-epoch once: {resumes}\n" + job.describe()
     if disturbance != "requeue":  # after a SIGUSR1 nobody but the script requeues the job
         assert f"hvdp: requeueing job {job.id} (exit 75)" in out, job.describe()
+    assert "exited unexpectedly" not in out, job.describe()  # its DataLoader workers outlived the signal
     result = job.result()
     assert result["weights_sha256"] == jobs[("srun", 1)].result()["weights_sha256"], job.describe()
     assert result["test_accuracy"] >= 0.97
