@@ -37,6 +37,23 @@ def test_resume_on_one_process_of_a_two_rank_checkpoint(results):
     assert_passed(("python", resumed), name)
 
 
+PYTORCH_LIGHTNING_CHECKS = ["fit_sgd_equals_one_process_with_the_global_batch",
+                            "strategy_by_name_accumulate_and_clip_equal_one_process",
+                            "validate_and_test_metrics_count_every_sample_once", "collectives_map_onto_horovod"]
+
+
+@pytest.fixture(scope="module")
+def pytorch_lightning_results(tmp_path_factory):
+    # the same checks with the package's other name, pytorch_lightning 2.x, imported by the script
+    return "gloo", run_checks("gloo", WORKER, tmp_path_factory.mktemp("ptl"), timeout=300, extra_env={
+        "TEST_LIGHTNING_PACKAGE": "pytorch_lightning", "HVDP_CHECKS": ",".join(PYTORCH_LIGHTNING_CHECKS)})
+
+
+@pytest.mark.parametrize("name", PYTORCH_LIGHTNING_CHECKS)
+def test_pytorch_lightning_check(pytorch_lightning_results, name):
+    assert_passed(pytorch_lightning_results, name)
+
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_lightning.py"
 
 

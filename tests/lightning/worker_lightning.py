@@ -8,6 +8,8 @@ N*b and the rate x N. Every assertion holds at any world size.
 from __future__ import annotations
 
 import copy
+import importlib
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -17,9 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+# the Lightning package (lightning.pytorch, or pytorch_lightning from test_lightning.py), imported first so that
+# hvdp.lightning builds on the same one
+pl = importlib.import_module(os.environ.get("TEST_LIGHTNING_PACKAGE", "lightning.pytorch"))
 import hvdp.torch as ht  # noqa: E402
 import hvdp.lightning as hl  # noqa: E402
-import lightning.pytorch as pl  # noqa: E402
 from hvdp.core.sharding import epoch_order  # noqa: E402
 from tests.checks import check, main  # noqa: E402
 
@@ -215,6 +219,7 @@ def validate_and_test_metrics_count_every_sample_once(tmp):
 
 @check
 def collectives_map_onto_horovod(tmp):
+    assert hl.PACKAGE == pl.__name__ and isinstance(hl.HorovodStrategy(), pl.strategies.Strategy), hl.PACKAGE
     s = hl.HorovodStrategy()
     r, n = world.rank, world.size
     t = torch.tensor([float(r + 1), 2.0 * r])
