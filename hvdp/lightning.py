@@ -51,7 +51,8 @@ from hvdp.torch.workers import _configure
 
 
 def _lightning():
-    """(the Lightning package, its name): the one the script imported, else lightning.pytorch, else pytorch_lightning."""
+    """(the Lightning package, its name): the one the script imported, else lightning.pytorch, else
+    pytorch_lightning."""
     if "pytorch_lightning" in sys.modules and "lightning.pytorch" not in sys.modules:
         import pytorch_lightning as pl
         return pl, "pytorch_lightning"

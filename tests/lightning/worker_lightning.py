@@ -87,8 +87,9 @@ def trainer(**kwargs) -> pl.Trainer:
     return pl.Trainer(**settings)
 
 
-def reference(module: Net, dataset, *, epochs=2, accumulate=1, clip=None, bf16=False) -> torch.nn.Module:
-    """One process, batch N*b, rate x N, in hvdp's epoch order: what the N ranks must reproduce."""
+def reference(module: Net, dataset, *, epochs=2, accumulate=1, clip=None, bf16=False, warmup=0) -> torch.nn.Module:
+    """One process, batch N*b, rate x N, in hvdp's epoch order: what the N ranks must reproduce. With `warmup`,
+    optimizer step t takes the rate x (1 + (N - 1) * min(t, warmup) / warmup) / N (from x 1 to x N)."""
     model = copy.deepcopy(Net(module.optimizer, module.scheduler))
     opt = model.configure_optimizers()
     sched = None
@@ -101,6 +102,7 @@ def reference(module: Net, dataset, *, epochs=2, accumulate=1, clip=None, bf16=F
         sched.base_lrs = [lr * world.size for lr in sched.base_lrs]
     x, y = dataset.tensors
     n, gb = len(x), B * world.size
+    steps = 0
     for epoch in range(epochs):
         order = torch.as_tensor(epoch_order(n, seed=SEED, epoch=epoch, shuffle=True))
         chunks = [order[i:i + gb] for i in range(0, n, gb)]
@@ -111,8 +113,15 @@ def reference(module: Net, dataset, *, epochs=2, accumulate=1, clip=None, bf16=F
             if (i + 1) % accumulate == 0 or i == len(chunks) - 1:
                 if clip is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                kept = [g["lr"] for g in opt.param_groups]
+                if warmup:
+                    for g in opt.param_groups:
+                        g["lr"] *= (1 + (world.size - 1) * min(steps, warmup) / warmup) / world.size
                 opt.step()
                 opt.zero_grad()
+                for g, lr in zip(opt.param_groups, kept):
+                    g["lr"] = lr
+                steps += 1
         if sched is not None:
             sched.step()
     return model
@@ -130,7 +139,7 @@ def same_on_every_rank(module: torch.nn.Module) -> None:
 
 def fit_and_compare(module: Net, *, tol=1e-5, **kwargs) -> torch.utils.data.Dataset:
     dataset = data(n_train())
-    ref_kwargs = {k: kwargs.pop(k) for k in ("accumulate", "clip", "bf16") if k in kwargs}
+    ref_kwargs = {k: kwargs.pop(k) for k in ("accumulate", "clip", "bf16", "warmup") if k in kwargs}
     loader = torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True)
     trainer(**kwargs).fit(module, loader)
     same_on_every_rank(module)
@@ -162,6 +171,13 @@ def strategy_by_name_accumulate_and_clip_equal_one_process(tmp):
     # both settings matter here: one process without either is far from the run
     for other in ({"accumulate": 2}, {"clip": 0.5}):
         assert max_dw(module, reference(module, dataset, **other)) > 1e-2, other
+
+
+@check
+def warmup_ramps_the_rate_as_one_process(tmp):
+    dataset = fit_and_compare(module := Net("sgd"), strategy=hl.HorovodStrategy(seed=SEED, warmup_steps=5), warmup=5)
+    if world.size > 1:  # the ramp matters: one process without it is far from the run
+        assert max_dw(module, reference(module, dataset)) > 1e-2
 
 
 @check
