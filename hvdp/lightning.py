@@ -255,13 +255,15 @@ class HorovodStrategy(_strategies.ParallelStrategy):
         super().load_optimizer_state_dict(checkpoint)
         if self._raw is not None and self.optimizers:
             self._raw.param_groups = _unwrapped(self.optimizers[0]).param_groups  # loaded as new dicts (see setup)
-        saved = checkpoint.get("hvdp")
-        if not saved or not self.optimizers:
+        if not self.optimizers:
             return
         optimizer = _unwrapped(self.optimizers[0])
         schedule = getattr(optimizer, "hvdp_schedule", None)
         if schedule is None:
             return
+        # A checkpoint of another strategy (one device, DDP) holds one process's rates: multiplier 1, and its
+        # optimizer steps are the Trainer's global_step.
+        saved = checkpoint.get("hvdp") or {"multiplier": 1.0, "steps": checkpoint.get("global_step", 0)}
         schedule.step = int(saved["steps"])  # the warmup goes on where it was
         if saved["multiplier"] != schedule.multiplier:  # written at another world size (or rule)
             _rescale_groups(optimizer, saved["multiplier"], schedule.size)

@@ -324,6 +324,27 @@ def resumes_at_another_world_size(tmp):
 
 
 @check
+def resumes_a_checkpoint_of_one_device(tmp):
+    # a checkpoint of Lightning's SingleDeviceStrategy (one process's rates, no hvdp record) resumed on N ranks
+    dataset = data(RESIZE_N)
+    path = Path(tmp) / f"single-device-{world.rank}.ckpt"
+    single = pl.Trainer(strategy=pl.strategies.SingleDeviceStrategy("cpu"), accelerator="cpu", max_epochs=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    order = torch.as_tensor(epoch_order(len(dataset), seed=SEED, epoch=0, shuffle=True))  # hvdp's epoch 0
+    single.fit(Net("sgd", scheduler=True), torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, order),
+                                                                      batch_size=B))
+    single.save_checkpoint(path)
+    assert "hvdp" not in torch.load(path, weights_only=False)
+    module = Net("sgd", scheduler=True)
+    trainer(max_epochs=3).fit(module, torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True),
+                              ckpt_path=path)
+    dw = max_dw(module, reference_resized([1, world.size, world.size], dataset))
+    print(f"[rank {world.rank}] resumed a one-device checkpoint: max |dw| {dw:.3g}", file=sys.stderr)
+    assert dw < 1e-5, dw
+
+
+@check
 def loggers_write_on_rank_0_only(tmp):
     logs = Path(tmp) / f"logs-rank{world.rank}"
     module = Net("sgd")
