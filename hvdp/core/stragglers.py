@@ -49,11 +49,13 @@ class StepAccount:
     A step begins when the previous one ended (or when the loader starts an epoch); input() adds the time
     spent waiting for a batch, ready() marks the last gradient ready (each backward pass's end), waited()
     adds time in the gradient collectives, and ended() closes the step with the optimizer's update time.
-    compute = (the last ready(), or the first waited() start when none came) - begin - input. A few float
-    operations per call; `steps` holds the closed steps since the last take().
+    compute = (the last ready(), or the first waited() start when none came) - begin - input - the waits
+    before that ready() (the sharded path waits for the other ranks inside the backward pass, to bound the
+    gradients in flight: a fast rank's wait there is not its compute). A few float operations per call;
+    `steps` holds the closed steps since the last take().
     """
 
-    __slots__ = ("begin", "input_s", "ready_at", "wait_s", "wait_from", "steps")
+    __slots__ = ("begin", "input_s", "ready_at", "wait_s", "wait_from", "wait_at_ready", "steps")
 
     def __init__(self):
         self.begin: float | None = None
@@ -61,6 +63,7 @@ class StepAccount:
         self.ready_at: float | None = None
         self.wait_s = 0.0
         self.wait_from: float | None = None
+        self.wait_at_ready = 0.0  # wait_s at the last ready()
         self.steps: list[tuple[float, float, float, float, float]] = []  # (input, compute, wait, optimizer, total)
 
     def idle(self) -> bool:
@@ -78,7 +81,7 @@ class StepAccount:
         self.input_s += end - start
 
     def ready(self, now: float) -> None:
-        self.ready_at = now
+        self.ready_at, self.wait_at_ready = now, self.wait_s
 
     def waited(self, start: float, end: float) -> None:
         if self.wait_from is None:
@@ -90,9 +93,11 @@ class StepAccount:
         begin = self.begin if self.begin is not None else now
         ready = self.ready_at if self.ready_at is not None else (self.wait_from if self.wait_from is not None
                                                                  else now - optimizer)
-        compute = max(0.0, ready - begin - self.input_s)
+        early = self.wait_at_ready if self.ready_at is not None else 0.0
+        compute = max(0.0, ready - begin - self.input_s - early)
         self.steps.append((self.input_s, compute, self.wait_s, max(0.0, optimizer), max(0.0, now - begin)))
         self.begin, self.input_s, self.ready_at, self.wait_s, self.wait_from = now, 0.0, None, 0.0, None
+        self.wait_at_ready = 0.0
 
     def take(self) -> list[tuple[float, float, float, float, float]]:
         """The steps closed since the last take(), forgotten here."""

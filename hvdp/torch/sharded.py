@@ -30,10 +30,11 @@ import math
 import os
 import time
 import weakref
+from time import perf_counter
 
 import torch
 
-from hvdp import _horovod
+from hvdp import _horovod, _stragglers
 from hvdp.core.errors import ConfigError
 from hvdp.core.watchdog import WAITING
 from hvdp.torch.optimizer import _counted
@@ -228,6 +229,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         self._inner, self.hvdp_schedule = optimizer, schedule
         self._op, self._compression = op, compression
         self._rank, self._size = hvd.rank(), hvd.size()
+        self._queued = False  # the end-of-backward callback is queued for the running pass (issue 47)
         # Horovod's Gloo reducescatter (gloo::ReduceScatterHalvingDoubling) leaves the Gloo transport slow for
         # what follows it: after one of 1,000 floats, np=2, an allgather of 7.8 MB took 9.3 s and a broadcast
         # 5.1 s (20 ms and 9 ms before it). Under Gloo the gradients are all-reduced in place instead and each
@@ -446,6 +448,12 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
 
     def _accumulated(self, param: torch.Tensor) -> None:
         # autograd's hook after a gradient was accumulated into param.grad, during the backward pass
+        if not self._queued:  # hvdp (issue 47): mark this pass's last gradient ready when the pass ends
+            self._queued = True
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            except RuntimeError:  # not inside the autograd engine (a hook called by hand)
+                self._queued = False
         seen = self._counts[id(param)] = self._counts.get(id(param), 0) + 1
         if seen > self._passes:
             raise ConfigError(f"a gradient was computed {seen} times before step(), with backward_passes_per_step="
@@ -458,6 +466,10 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
                     self._reduce(i)
             elif id(param) in self._owned_of:
                 self._reduce_owned(self._owned_of[id(param)])
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        _stragglers.backward_done()
 
     def _reduce(self, i: int, backward: bool = True) -> None:
         """Start bucket i's reduce-scatter; free the model's full gradients it was copied from (ZeRO-2). In the
@@ -516,18 +528,26 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         while self._flight and sum(n for _, _, n in self._flight.values()) + nbytes > limit:
             unit = next(iter(self._flight))
             handle, deadline = self._flight[unit][0], time.monotonic() + WAIT_SECONDS
-            while not hvd.poll(handle):
-                if time.monotonic() > deadline:
-                    self._ordered = False
-                    return
-                time.sleep(0.0002)
+            waiting = perf_counter()  # hvdp (issue 47): a wait for the other ranks, inside the backward pass
+            try:
+                while not hvd.poll(handle):
+                    if time.monotonic() > deadline:
+                        self._ordered = False
+                        return
+                    time.sleep(0.0002)
+            finally:
+                _stragglers.collective_wait(waiting)
             self._finish(unit)
 
     def _finish(self, unit: tuple) -> None:
         """Synchronize a reduction in flight: a bucket's shard parameter gets its slice of the result, an owned
         parameter's owner the whole; Horovod drops its input and output (the full flat copy)."""
         handle, ctx, _ = self._flight.pop(unit)
-        reduced = hvd.synchronize(handle)
+        waiting = perf_counter()
+        try:
+            reduced = hvd.synchronize(handle)
+        finally:
+            _stragglers.collective_wait(waiting)
         kind, key = unit
         if kind == "b":
             b = self._buckets[key]
@@ -571,7 +591,11 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
                 o.param.grad = None
         while self._flight:
             self._finish(next(iter(self._flight)))
-        self._agree()
+        waiting = perf_counter()
+        try:
+            self._agree()
+        finally:
+            _stragglers.collective_wait(waiting)
         self._started.clear()
         self._counts.clear()
         self._used = set()
@@ -769,6 +793,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         if closure is not None:
             raise ConfigError("a sharded optimizer's step() takes no closure", rank=self._rank)
         s = self.hvdp_schedule
+        began = _stragglers.step_begin()  # hvdp (issue 47): the update is this call less its collectives
         _horovod.progress(s.step, WAITING)
         if not self._synchronized:
             self.synchronize()
@@ -792,11 +817,16 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         finally:
             for g, lr in zip(self.param_groups, kept):
                 g["lr"] = lr
-        self._gather_parameters()
+        waiting = perf_counter()
+        try:
+            self._gather_parameters()
+        finally:
+            _stragglers.collective_wait(waiting)
         self._synchronized = False
         s.step += 1
         _counted(s)
         _horovod.progress(s.step, COMPUTING)
+        _stragglers.step_end(hvd, began)  # every K steps, the straggler report (a collective: every rank is here)
 
     def _gather_parameters(self) -> None:
         """Broadcast each owned parameter from its owner; all-gather the updated shards into the model's parameters, one bucket at a time: each gathered bucket

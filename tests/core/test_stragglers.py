@@ -43,6 +43,19 @@ def test_accumulated_passes_count_once_and_the_last_gradient_ends_compute():
     assert inp == pytest.approx(0.3) and comp == pytest.approx(2.9 - 0.3) and total == pytest.approx(3.6)
 
 
+def test_waits_inside_the_backward_pass_are_not_compute():
+    """The sharded path waits for the other ranks' reductions inside the backward pass (at most two buckets in
+    flight): a fast rank's 1.5 s there is waiting, not compute, or the fast rank looks like the slow one."""
+    a = StepAccount()
+    a.restart(0.0)
+    a.waited(0.5, 2.0)         # in the backward pass, waiting for a slow peer's bucket
+    a.ready(2.5)               # the backward pass ends
+    a.waited(2.6, 2.8)         # synchronize()
+    a.ended(3.0, optimizer=0.1)
+    inp, comp, wait, opt, total = a.take()[0]
+    assert comp == pytest.approx(1.0) and wait == pytest.approx(1.7) and total == pytest.approx(3.0)
+
+
 def test_without_a_ready_mark_compute_ends_where_the_collectives_begin():
     a = StepAccount()
     a.restart(0.0)
