@@ -317,7 +317,7 @@ class HorovodStrategy(_strategies.ParallelStrategy):
         kwargs.setdefault("generator", torch.Generator().manual_seed(seed + hvd.rank()))
         _configure(kwargs, {"dataset": dataset}, persistent=False)
         self._train_sampler = _EpochSampler(plan)
-        return _ShardLoader(dataset, batch_sampler=self._train_sampler, **kwargs)
+        return _TrainLoader(dataset, batch_sampler=self._train_sampler, **kwargs)
 
     def _eval_loader(self, dataloader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
         batch_size = dataloader.batch_size
@@ -335,8 +335,12 @@ class HorovodStrategy(_strategies.ParallelStrategy):
         # Which batch prepare()'s gradient hooks weigh: the loader tells them as it hands a batch out, and
         # Lightning may fetch ahead of the batch it trains on (a loader without len()): the Trainer's own
         # count of the batch being trained on is the one that holds.
-        if self._train_sampler is not None:
-            _Batch.sampler, _Batch.index = self._train_sampler, batch_idx
+        sampler = self._train_sampler
+        if sampler is not None and sampler._running is not None:
+            # the index within this iteration (from where a resumed epoch began), then the batch is counted as
+            # trained: a checkpoint written at its end resumes after it
+            _Batch.sampler, _Batch.index = sampler, sampler._running[3]
+            sampler.record_steps(1)
 
     def on_train_end(self) -> None:
         if _Batch.sampler is self._train_sampler:
@@ -451,6 +455,23 @@ class _EpochSampler(ShardSampler):
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.resume(epoch, 0)
+
+
+class _TrainLoader(_ShardLoader):
+    """shard()'s loader as Lightning's training loader: a stateful one (state_dict/load_state_dict), so that a
+    checkpoint written within an epoch resumes at the first sample not trained on, at any world size."""
+
+    def __len__(self) -> int:
+        # the whole epoch's batches, as Lightning expects of a resumable loader: it reads len() once, then
+        # stops a resumed epoch where its loader ends
+        return self.batch_sampler.plan.steps_per_epoch
+
+    def state_dict(self) -> dict:
+        epoch, offset = self.batch_sampler.position()
+        return {"epoch": epoch, "offset": offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler.resume(int(state["epoch"]), int(state["offset"]))
 
 
 class EvalBatches(torch.utils.data.Sampler):

@@ -279,6 +279,44 @@ def checkpoint_from_rank_0_only_and_resume_exact(tmp):
     assert dw < 1e-5, dw
 
 
+class Interrupted(Exception):
+    pass
+
+
+class InterruptAfter(pl.Callback):
+    """The job killed as the batch after optimizer step `steps` begins (the checkpoint of that step written)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == self.steps:
+            raise Interrupted
+
+
+@check
+def resumes_within_an_epoch_exact(tmp):
+    # checkpointed every 2 steps, interrupted after 2 of an epoch's 4 steps, resumed: the uninterrupted run
+    dataset = data(n_train())
+    d = Path(tmp) / "mid-epoch"
+    every = pl.callbacks.ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1)
+    try:
+        trainer(enable_checkpointing=True, callbacks=[every, InterruptAfter(2)]).fit(
+            Net("sgd", scheduler=True), torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True))
+        raise AssertionError("not interrupted")
+    except Interrupted:
+        pass
+    path = d / "epoch=0-step=2.ckpt"
+    assert torch.load(path, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
+        {"epoch": 0, "offset": 2 * B * world.size}]
+    resumed = Net("sgd", scheduler=True)
+    trainer(max_epochs=2).fit(resumed, torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True),
+                              ckpt_path=path)
+    dw = max_dw(resumed, reference(resumed, dataset, epochs=2))
+    print(f"[rank {world.rank}] resumed within an epoch: max |dw| {dw:.3g}", file=sys.stderr)
+    assert dw < 1e-5, dw
+
+
 RESIZE_N = 29  # the data of the resize check, whatever the world size
 
 
