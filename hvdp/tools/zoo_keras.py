@@ -115,9 +115,116 @@ def case_unused_branch(steps: int = 4, batch_size: int = 8) -> float:
     return _verify("keras", "adamw", _branches, (20,), steps, batch_size)
 
 
-CASES = {"text_cnn": case_text_cnn, "text_gru": case_text_gru, "tf_loop_embedding": case_tf_loop_embedding,
-         "unused_branch": case_unused_branch}
-FRAMEWORKS = {"text_cnn": "keras", "text_gru": "keras", "tf_loop_embedding": "tensorflow",
-              "unused_branch": "keras"}
+# ------------------------------------------------ model.fit as users write it (issue 50): targets, weights, metrics
 
-__all__ = ["CASES", "FRAMEWORKS", "case_text_cnn", "case_text_gru", "case_tf_loop_embedding", "case_unused_branch"]
+def _fit_against_one_process(build, data, *, steps: int, batch_size: int, loss, leftover: int, epochs: int = 1,
+                             metrics=None, callbacks=None) -> float:
+    """model.fit of build() through hvdp.keras (per-rank initial weights, fixed by the broadcast; shard() without
+    shuffling) against one process's model.fit of the same arrays in the same order with batch N*b at N times the
+    rate, from rank 0's initial weights. `data(n)` gives the (x, y[, sample weights]) of n samples; `callbacks()`
+    builds fresh callbacks for each side; with `metrics()`, the fit logs' last-epoch values of each metric are
+    compared too (their state summed over the ranks). Returns the largest |difference|, rank 0's, on every rank."""
+    import hvdp.keras as hk
+    from hvdp import _keras_backend
+
+    world = hk.world()
+    arrays = data(steps * world.size * batch_size + leftover)
+    keras.utils.set_random_seed(SEED + 1000 * world.rank + 1)
+    model = build()
+    initial = model.get_weights()
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9)), loss=loss,
+                  metrics=metrics() if metrics else None)
+    train = hk.shard(arrays, batch_size=batch_size, shuffle=False)
+    fitted = model.fit(train, epochs=epochs, verbose=0,
+                       callbacks=[*hk.callbacks(data=train), *(callbacks() if callbacks else [])]).history
+    diff = None
+    if world.rank == 0:
+        reference = build()
+        reference.set_weights(initial)
+        reference.compile(optimizer=keras.optimizers.SGD(LR * world.size, momentum=0.9), loss=loss,
+                          metrics=metrics() if metrics else None)
+        x, y, *weights = arrays
+        one = reference.fit(x, y, sample_weight=weights[0] if weights else None, batch_size=batch_size * world.size,
+                            shuffle=False, epochs=epochs, verbose=0, callbacks=callbacks() if callbacks else None).history
+        if len(one["loss"]) != len(fitted["loss"]):  # a callback stopped one of them at another epoch
+            diff = float("inf")
+        else:
+            diff = max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights()))
+            for name in (k for k in one if k != "loss"):  # the metrics (a name fit did not log: a KeyError)
+                diff = max(diff, abs(one[name][-1] - fitted[name][-1]))
+    return float(_keras_backend.horovod().broadcast_object(diff, root_rank=0, name="hvdp.zoo.diff"))
+
+
+def _tagger():
+    """Embedding -> Conv1D -> per-token Dense: a token tagger (LENGTH tokens, 3 tags)."""
+    return keras.Sequential([*_tokens(), keras.layers.Conv1D(8, 3, padding="same", activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+def _tagged(n: int):
+    """Features (tokenised by _tokens), a tag per token, and per-token weights: 1 on a sample's valid tokens, 0 on
+    its padding (what the masking refusal of hvdp.keras tells a tagger to pass instead of a Keras mask)."""
+    rng = np.random.default_rng(SEED)
+    lengths = rng.integers(2, LENGTH + 1, n)
+    valid = (np.arange(LENGTH)[None, :] < lengths[:, None]).astype(np.float32)
+    return (rng.standard_normal((n, LENGTH)).astype(np.float32), rng.integers(0, 3, (n, LENGTH)), valid)
+
+
+def case_tagger_weights(steps: int = 4, batch_size: int = 8) -> float:
+    """model.fit of a per-token tagger with per-token sample weights (padding 0), the epoch's short last step
+    included: hvdp's last-step weights shaped to the (b, T) losses and multiplied into the user's."""
+    return _fit_against_one_process(_tagger, _tagged, steps=steps, batch_size=batch_size, leftover=3,
+                                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def _segmenter():
+    """Conv2D -> Conv2D 1x1: per-pixel logits of 2 classes on 8x8 images."""
+    return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, padding="same", activation="tanh"),
+                             keras.layers.Conv2D(2, 1)])
+
+
+def _images(n: int):
+    rng = np.random.default_rng(SEED)
+    x = rng.standard_normal((n, 8, 8, 1)).astype(np.float32)
+    return x, (x[..., 0] + 0.5 * rng.standard_normal((n, 8, 8)) > 0).astype(np.int64)
+
+
+def case_segmentation(steps: int = 4, batch_size: int = 8) -> float:
+    """model.fit of a per-pixel classifier (losses of shape (b, 8, 8)), the epoch's short last step included."""
+    return _fit_against_one_process(_segmenter, _images, steps=steps, batch_size=batch_size, leftover=3,
+                                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def _binary():
+    return keras.Sequential([keras.Input((20,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(1, activation="sigmoid")])
+
+
+def _labelled(n: int):
+    rng = np.random.default_rng(SEED)
+    x = rng.standard_normal((n, 20)).astype(np.float32)
+    return x, (x[:, 0] + x[:, 1] + rng.standard_normal(n) > 0).astype(np.float32)[:, None]
+
+
+def case_binary_metric_stop(steps: int = 4, batch_size: int = 8) -> float:
+    """model.fit of a binary classifier with Precision, Recall and AUC (their fit logs against one process's:
+    state summed over the ranks), EarlyStopping (on a loss that never improves by 10: both stop after epoch 2
+    of 4) and TerminateOnNaN, over whole global batches (an uneven last step weighs the metrics' samples)."""
+    return _fit_against_one_process(
+        _binary, _labelled, steps=steps, batch_size=batch_size, leftover=0, epochs=4,
+        loss="binary_crossentropy",
+        metrics=lambda: [keras.metrics.Precision(name="precision"), keras.metrics.Recall(name="recall"),
+                         keras.metrics.AUC(name="auc")],
+        callbacks=lambda: [keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=1),
+                           keras.callbacks.TerminateOnNaN()])
+
+
+CASES = {"text_cnn": case_text_cnn, "text_gru": case_text_gru, "tf_loop_embedding": case_tf_loop_embedding,
+         "unused_branch": case_unused_branch, "tagger_weights": case_tagger_weights,
+         "segmentation": case_segmentation, "binary_metric_stop": case_binary_metric_stop}
+FRAMEWORKS = {"text_cnn": "keras", "text_gru": "keras", "tf_loop_embedding": "tensorflow",
+              "unused_branch": "keras", "tagger_weights": "keras", "segmentation": "keras",
+              "binary_metric_stop": "keras"}
+
+__all__ = ["CASES", "FRAMEWORKS", "case_text_cnn", "case_text_gru", "case_tf_loop_embedding", "case_unused_branch",
+           "case_tagger_weights", "case_segmentation", "case_binary_metric_stop"]
