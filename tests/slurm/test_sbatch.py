@@ -12,6 +12,8 @@ run), its output file and its result line.
 from __future__ import annotations
 
 import re
+import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,7 @@ class Job:
     allocation: tuple[str, ...]  # sbatch options: each form SLURM_TASKS_PER_NODE takes is exercised
     disturb: str | None = None   # "usr1", "batch-usr1", "requeue" or "suspend", once its first checkpoint exists
     env: dict = field(default_factory=dict)
-    args: tuple[str, ...] = ()  # the job's own arguments (after the script's `--`)
+    args: tuple[str, ...] = ()  # the sbatch script's arguments: --python/--script, then -- and the job's flags
     id: int = 0
     out: Path | None = None
     checkpoints: Path | None = None
@@ -71,9 +73,9 @@ DISTURBED = {
     # (issue 45: the checkpoint was lost to "DataLoader worker exited unexpectedly")
     "batch-usr1": Job("SIGUSR1 to the batch shell (scancel --batch --signal=USR1, as --signal=B:USR1@120 at the "
                       "time limit), 2 DataLoader workers per rank", "horovodrun", ("--nodes=1", "--ntasks-per-node=2"),
-                      "batch-usr1", args=("--files", "{work}/batch-usr1-files")),
+                      "batch-usr1", args=("--", "--files", "{work}/batch-usr1-files")),
     "requeue": Job("scontrol requeue (SIGTERM to every process, DataLoader workers too)", "mpirun",
-                   ("--nodes=2", "--ntasks-per-node=1"), "requeue", args=("--files", "{work}/requeue-files")),
+                   ("--nodes=2", "--ntasks-per-node=1"), "requeue", args=("--", "--files", "{work}/requeue-files")),
     "suspend": Job(f"scontrol suspend for {SUSPEND_SECONDS} s, then resume", "srun",
                    ("--nodes=1", "--ntasks-per-node=2"), "suspend", env={"HVDP_WATCHDOG_TIMEOUT": WATCHDOG_TIMEOUT}),
 }
@@ -91,12 +93,16 @@ def jobs(slurm, tmp_path_factory) -> dict:
     edited.write_text("".join(line for line in SCRIPT.read_text().splitlines(keepends=True)
                               if not line.startswith("#SBATCH --ntasks-per-node")))
     todo[("srun", 2)].env = {"HVDP_ROOT": str(ROOT)}
+    # ...which runs the user's own script (a copy of the example, outside the checkout) with a python given by
+    # path, as docs/recipes.md's Slurm recipe says (`--python`, `--script`, then `--` and the script's flags)
+    shutil.copy(ROOT / "examples" / "train_torch.py", work / "my_train.py")
+    todo[("srun", 2)].args = ("--python", sys.executable, "--script", "{work}/my_train.py")
     for key, job in todo.items():
         name = re.sub(r"\W+", "-", str(key)).strip("-")
         job.out, job.checkpoints = work / f"{name}.out", work / f"{name}-checkpoints"
         job.submitted = time.monotonic()
         script = edited if key == ("srun", 2) else SCRIPT
-        args = ["--", *(a.format(work=work) for a in job.args)] if job.args else []
+        args = [a.format(work=work) for a in job.args]
         job.id = slurm.sbatch(*job.allocation, "--cpus-per-task=1", f"--output={job.out}", str(script), *args,
                               cwd=work, HVDP_LAUNCHER=job.launcher, HVDP_CHECKPOINT_DIR=str(job.checkpoints),
                               **job.env)
@@ -151,6 +157,8 @@ def test_main_job_trains_with_each_launcher(jobs, launcher, nodes):
     assert result["test_samples"] == 359
     assert f"2 ranks on {' '.join(['n1', 'n2'][:nodes]) if nodes == 2 else job.runs[0]['NodeList']} via {launcher}" \
         in job.output(), job.describe()
+    if (launcher, nodes) == ("srun", 2):  # the user's own script and python, given to the sbatch
+        assert f"hvdp: running {sys.executable} {job.out.parent / 'my_train.py'}" in job.output(), job.describe()
     reference = jobs[("srun", 1)].result()["weights_sha256"]
     assert result["weights_sha256"] == reference, "another launcher trained other weights:\n" + job.describe()
 
