@@ -17,9 +17,11 @@ What it does to the Trainer's run (docs/lightning.md):
   validation and test loaders into contiguous unpadded slices, so that self.log(..., sync_dist=True) over an
   epoch is the mean over every sample counted once;
 - maps reduce, all_gather, barrier and broadcast onto Horovod's collectives, writes checkpoints from rank 0
-  atomically (every rank learns of a failed write), and rescales the rates of a checkpoint written at another
-  world size.
+  atomically (every rank learns of a failed write), resumes a checkpoint written within an epoch at the first
+  sample not trained on (the training loader is resumable), and rescales the rates of a checkpoint written at
+  another world size, or by another strategy (one process's rates).
 accumulate_grad_batches, gradient_clip_val/algorithm and precision="bf16-mixed" keep one process's meaning.
+One optimizer (configure_optimizers returning more is a ConfigError).
 
 Importing this module imports Lightning (lightning.pytorch, else pytorch_lightning: the one already imported
 when both are installed), torch and horovod.torch; nothing else in hvdp imports it.
@@ -220,18 +222,16 @@ class HorovodStrategy(_strategies.ParallelStrategy):
         # optimizer, which gives it new param-group dicts: `raw` takes them, so that a scheduler's rates are the
         # ones the prepared optimizer steps with on every rank.
         raw.param_groups = prepared.param_groups
-        for config in self.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if getattr(scheduler, "optimizer", None) is not raw:
-                continue
-            # the schedulers' rates (built before prepare() scaled the param groups) scaled alike; the param
-            # groups are the same dicts in raw and prepared, so the schedulers set the rates prepared uses
+        # The schedulers' rates, set before prepare() scaled the groups' "lr", scaled alike: the rates they
+        # keep in the groups (once, however many schedulers there are) and those in their own state.
+        schedulers = [c.scheduler for c in self.lr_scheduler_configs if getattr(c.scheduler, "optimizer", None) is raw]
+        if schedulers:
             for group in prepared.param_groups:
                 for key in ("initial_lr", "max_lr", "min_lr"):
                     if isinstance(group.get(key), (int, float)) and not isinstance(group[key], bool):
                         group[key] = schedule.rate(group[key], scaled_by=1.0)
-            state = _rescale_scheduler_states({"s": scheduler.state_dict()}, 1.0, schedule)["s"]
-            scheduler.load_state_dict(state)
+        for scheduler in schedulers:
+            scheduler.load_state_dict(_rescale_scheduler_states({"s": scheduler.state_dict()}, 1.0, schedule)["s"])
         self.optimizers = [prepared]
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
