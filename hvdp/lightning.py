@@ -233,6 +233,12 @@ class HorovodStrategy(_strategies.ParallelStrategy):
         for scheduler in schedulers:
             scheduler.load_state_dict(_rescale_scheduler_states({"s": scheduler.state_dict()}, 1.0, schedule)["s"])
         self.optimizers = [prepared]
+        # The LightningOptimizer that self.optimizers() gives (manual optimization) subclasses the optimizer's
+        # class, so Horovod's methods would run on the wrapper: its zero_grad() (super(self.__class__, ...))
+        # recursed without end, its synchronize() would set its state on the wrapper. They are the prepared one's.
+        for wrapper in self._lightning_optimizers:
+            for name in ("zero_grad", "synchronize", "skip_synchronize", "add_param_group"):
+                setattr(wrapper, name, getattr(prepared, name))
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         # Horovod's step() would average the gradients before Lightning's closure computes them: they are

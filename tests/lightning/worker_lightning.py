@@ -212,6 +212,26 @@ def lightnings_own_distributed_sampler_is_not_one_process(tmp):
     assert dw > 1e-4, f"max |dw| {dw}: the padded sampler matched one process"
 
 
+class Manual(Net):
+    """The same training with Lightning's manual optimization (one optimizer)."""
+
+    def __init__(self):
+        super().__init__("sgd")
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(F.mse_loss(self(x), y))
+        opt.step()
+
+
+@check
+def manual_optimization_equals_one_process(tmp):
+    fit_and_compare(Manual())
+
+
 # ------------------------------------------------------------------------------------------ evaluation
 
 @check
@@ -229,6 +249,24 @@ def validate_and_test_metrics_count_every_sample_once(tmp):
     # Lightning weighs each batch's mean by its size: the mean over every sample, each once
     for name, value in {**got, **tested}.items():
         assert abs(value - want[name]) < 1e-6, (name, value, want[name])
+
+
+@check
+def predict_splits_the_samples_without_repeats(tmp):
+    # Lightning's own unpadded split: each rank predicts its part, every sample once over the ranks
+    x = data(2 * B * world.size + 3, seed=2).tensors[0]
+    module = Net("sgd")
+    module.predict_step = lambda batch, batch_idx: module(batch[0])  # noqa: E731
+    out = torch.cat(trainer().predict(module, torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x), batch_size=B)))
+    rows = hvd.allgather_object(out.detach())
+    with torch.no_grad():
+        want = module(x)
+    got = torch.cat(rows)
+    assert len(got) == len(x), (len(got), len(x))
+    # each row of the model's output over all samples found once among the ranks' predictions
+    matched = sorted(int((want - r).abs().sum(1).argmin()) for r in got)
+    assert matched == list(range(len(x))), matched
 
 
 # ------------------------------------------------------------------------------------------ collectives
