@@ -121,16 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hvdp.tools.fixes", description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", action="store_true", help="rewrite the section in docs/install.md")
     args = ap.parse_args(argv)
-    text = section()
-    if not args.write:
-        print(text)
-        return 0
-    page = resources.path("docs/install.md")
-    if not page.is_file():
-        print(f"no {page}: --write needs a checkout", file=sys.stderr)
-        return 1
-    page.write_text(replace(page.read_text(), text))
-    return 0
+    return resources.print_or_write(section(), "docs/install.md", replace, args.write)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ so both find the same cached Horovod wheel.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Callable
 
 # What a complete resource root holds, relative to it: setup.py copies exactly these.
 FILES = ("scripts/build_horovod.sh", "scripts/cuda_stack.sh", "constraints.txt")
@@ -42,3 +44,18 @@ def packaged() -> bool:
     """Whether this hvdp is an installed copy (its files under hvdp/_build/), not a checkout: what to tell a
     user who lacks something (`hvdp build-horovod` and pip, or `make setup`)."""
     return (_PACKAGED / FILES[0]).is_file()
+
+
+def print_or_write(text: str, page: str, replace: Callable[[str, str], str], write: bool) -> int:
+    """A generated docs section's command (hvdp.tools.fixes, hvdp.tools.suite_figures): print `text`, or with
+    `write` put it into the checkout's `page` (e.g. "docs/install.md") with `replace(page_text, text)`. Returns
+    the exit code (1: no such page, outside a checkout)."""
+    if not write:
+        print(text)
+        return 0
+    target = path(page)
+    if not target.is_file():
+        print(f"no {target}: --write needs a checkout", file=sys.stderr)
+        return 1
+    target.write_text(replace(target.read_text(), text))
+    return 0

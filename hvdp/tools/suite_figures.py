@@ -94,15 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true", help="rewrite the figures in docs/support.md")
     args = ap.parse_args(argv)
     text = sentence(parse(Path(args.log).read_text(errors="replace")), args.date)
-    if not args.write:
-        print(text)
-        return 0
-    page = resources.path("docs/support.md")
-    if not page.is_file():
-        print(f"no {page}: --write needs a checkout", file=sys.stderr)
-        return 1
-    page.write_text(replace(page.read_text(), text))
-    return 0
+    return resources.print_or_write(text, "docs/support.md", replace, args.write)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ IN_FLIGHT_BUCKETS = 2
 # The longest the backward pass waits for one reduction (_make_room); past it, it stops waiting for this step.
 WAIT_SECONDS = 1.0
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # every ShardedOptimizer, for _guarded_clip
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every ShardedOptimizer, for the guarded clipping (_guarded)
 
 # glibc's mmap threshold, fixed by the first sharded prepare() (_fix_mmap_threshold); glibc's M_MMAP_THRESHOLD
 MMAP_THRESHOLD, _M_MMAP_THRESHOLD = 128 << 10, -3
@@ -116,86 +116,72 @@ def _whole(opt: "ShardedOptimizer", params: list, call: str) -> None:
         _refuse_clip(opt, "on a sharded optimizer's parameters together with others that hold gradients", call)
 
 
-def _guarded_clip(clip):
-    """torch.nn.utils.clip_grad_norm_, aware of the sharded optimizers in the middle of their step (after the
-    backward pass, before step()): their gradients went to the shards (the model's are None), so torch's would
-    clip nothing, silently. Given every parameter of one such optimizer (model.parameters(): the clipping recipe
-    of the allreduce path), it is that optimizer's clip_grad_norm_ (the global norm across the shards; it reduces
-    first if synchronize() has not run) and returns its norm. Given part of them, them with another model's
-    gradients, or error_if_nonfinite=True, it raises ConfigError naming optimizer.clip_grad_norm_. Every rank
-    runs the same call, so every rank clips, or raises; nothing collective is left half done."""
-    signature = inspect.signature(clip)
+def _guarded(fn, on_sharded):
+    """`fn` (a torch.nn.utils clipping function, called with the parameters first), calling
+    `on_sharded(optimizer, params, arguments)` instead where those parameters are a sharded optimizer's in the
+    middle of its step (after the backward pass, before step()): their gradients went to the shards (the
+    model's are None), so torch's own would clip nothing, silently. `arguments`: the call's, defaults applied."""
+    signature = inspect.signature(fn)
 
-    @functools.wraps(clip)
+    @functools.wraps(fn)
     def guarded(parameters, *args, **kwargs):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         opt = _reducing_optimizer(params)
         if opt is None:
-            return clip(params, *args, **kwargs)
+            return fn(params, *args, **kwargs)
         call = signature.bind(params, *args, **kwargs)
         call.apply_defaults()
-        _whole(opt, params, "clip_grad_norm_")
-        if call.arguments.get("error_if_nonfinite"):
-            _refuse_clip(opt, "with error_if_nonfinite=True")
-        return opt.clip_grad_norm_(call.arguments["max_norm"], norm_type=float(call.arguments["norm_type"]))
+        return on_sharded(opt, params, call.arguments)
     guarded.hvdp_guarded = True
     return guarded
 
 
-def _guarded_value(clip):
-    """torch.nn.utils.clip_grad_value_, aware of the sharded optimizers in the middle of their step, as
-    _guarded_clip: given every parameter of one, it clamps that optimizer's shard gradients (reducing first if
-    synchronize() has not run), element by element as torch clamps the full ones, so the result is the same;
-    given part of them, it raises ConfigError. No collective beyond the reduction every rank makes."""
-    signature = inspect.signature(clip)
-
-    @functools.wraps(clip)
-    def guarded(parameters, *args, **kwargs):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        opt = _reducing_optimizer(params)
-        if opt is None:
-            return clip(params, *args, **kwargs)
-        call = signature.bind(params, *args, **kwargs)
-        _whole(opt, params, "clip_grad_value_")
-        value = float(call.arguments["clip_value"])
-        if not opt._synchronized:
-            opt.synchronize()
-        with torch.no_grad():
-            for g in opt._grads():
-                g.clamp_(min=-value, max=value)
-        return None
-    guarded.hvdp_guarded = True
-    return guarded
+def _clip_norm(opt: "ShardedOptimizer", params: list, arguments: dict) -> torch.Tensor:
+    """clip_grad_norm_ on a sharded optimizer's parameters: given every parameter of it (model.parameters(): the
+    clipping recipe of the allreduce path), its clip_grad_norm_ (the global norm across the shards; it reduces
+    first if synchronize() has not run), returning that norm. Given part of them, them with another model's
+    gradients, or error_if_nonfinite=True, ConfigError naming optimizer.clip_grad_norm_. Every rank runs the
+    same call, so every rank clips, or raises; nothing collective is left half done."""
+    _whole(opt, params, "clip_grad_norm_")
+    if arguments.get("error_if_nonfinite"):
+        _refuse_clip(opt, "with error_if_nonfinite=True")
+    return opt.clip_grad_norm_(arguments["max_norm"], norm_type=float(arguments["norm_type"]))
 
 
-def _guarded_scaling(scale):
-    """torch's _clip_grads_with_norm_ (what torch.nn.utils.clip_grad_norm_ calls to scale the gradients),
-    raising ConfigError for a sharded optimizer's parameters in the middle of its step: reached that way only
-    through a clip_grad_norm_ imported by name from torch before the first sharded prepare() (the guarded one
-    clips the shards itself), which found no gradient and would clip nothing."""
-    @functools.wraps(scale)
-    def guarded(parameters, *args, **kwargs):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        opt = _reducing_optimizer(params)
-        if opt is not None:
-            _refuse_clip(opt, "imported by name from torch before the first sharded prepare() (or "
-                        "torch.nn.utils.clip_grads_with_norm_) clips nothing")
-        return scale(params, *args, **kwargs)
-    guarded.hvdp_guarded = True
-    return guarded
+def _clip_value(opt: "ShardedOptimizer", params: list, arguments: dict) -> None:
+    """clip_grad_value_ on a sharded optimizer's parameters: given every parameter of it, its shard gradients
+    clamped (reducing first if synchronize() has not run), element by element as torch clamps the full ones, so
+    the result is the same; given part of them, ConfigError. No collective beyond the reduction every rank makes."""
+    _whole(opt, params, "clip_grad_value_")
+    value = float(arguments["clip_value"])
+    if not opt._synchronized:
+        opt.synchronize()
+    with torch.no_grad():
+        for g in opt._grads():
+            g.clamp_(min=-value, max=value)
+
+
+def _refuse_scaling(opt: "ShardedOptimizer", params: list, arguments: dict) -> None:
+    """torch's _clip_grads_with_norm_ (what clip_grad_norm_ scales the gradients with) on a sharded optimizer's
+    parameters: reached only through a clip_grad_norm_ imported by name from torch before the first sharded
+    prepare() (the guarded one clips the shards itself), which found no gradient and would clip nothing."""
+    _refuse_clip(opt, "imported by name from torch before the first sharded prepare() (or "
+                 "torch.nn.utils.clip_grads_with_norm_) clips nothing")
 
 
 def _guard_clipping() -> None:
-    """Put _guarded_clip in place of torch.nn.utils.clip_grad_norm_, _guarded_value in place of clip_grad_value_
-    and _guarded_scaling in place of the function clip_grad_norm_ scales with (once per process)."""
+    """Put guarded versions (_guarded) of torch.nn.utils.clip_grad_norm_ and clip_grad_value_ and of the function
+    clip_grad_norm_ scales with in their place (once per process)."""
     import torch.nn.utils.clip_grad as clip_grad
     if not getattr(torch.nn.utils.clip_grad_norm_, "hvdp_guarded", False):
-        torch.nn.utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = _guarded_clip(torch.nn.utils.clip_grad_norm_)
+        torch.nn.utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = _guarded(torch.nn.utils.clip_grad_norm_,
+                                                                               _clip_norm)
     if not getattr(torch.nn.utils.clip_grad_value_, "hvdp_guarded", False):
-        torch.nn.utils.clip_grad_value_ = clip_grad.clip_grad_value_ = _guarded_value(torch.nn.utils.clip_grad_value_)
+        torch.nn.utils.clip_grad_value_ = clip_grad.clip_grad_value_ = _guarded(torch.nn.utils.clip_grad_value_,
+                                                                                 _clip_value)
     scale = getattr(clip_grad, "_clip_grads_with_norm_", None)  # torch >= 2.6
     if scale is not None and not getattr(scale, "hvdp_guarded", False):
-        clip_grad._clip_grads_with_norm_ = _guarded_scaling(scale)
+        clip_grad._clip_grads_with_norm_ = _guarded(scale, _refuse_scaling)
 
 
 class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
@@ -741,7 +727,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         """For code written for the allreduce path: step() reduces the gradients once per step whether or not
         synchronize() ran, so this context changes nothing. The clipping recipe of that path (synchronize(),
         torch.nn.utils.clip_grad_norm_(model.parameters(), ...), this context around step()) clips the shards:
-        see _guarded_clip."""
+        see _clip_norm."""
         yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
