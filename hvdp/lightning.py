@@ -78,6 +78,7 @@ if int(pl.__version__.split(".")[0]) < 2:
 from lightning_utilities.core.rank_zero import rank_zero_only  # noqa: E402  (Lightning's rank-zero switch)
 
 _strategies = pl.strategies
+_fabric = importlib.import_module("lightning.fabric" if PACKAGE == "lightning.pytorch" else "lightning_fabric")
 _ClusterEnvironment = importlib.import_module(f"{PACKAGE}.plugins.environments").ClusterEnvironment
 _RunningStage = pl.trainer.states.RunningStage
 _TrainerFn = pl.trainer.states.TrainerFn
@@ -121,7 +122,46 @@ class HorovodEnvironment(_ClusterEnvironment):
         return hvd.cross_rank()
 
 
-class HorovodStrategy(_strategies.ParallelStrategy):
+class _Collectives:
+    """reduce (all_reduce in Fabric), all_gather, barrier and broadcast of both strategies: Horovod's collectives."""
+
+    def reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if group is not None:
+            raise ConfigError("strategy='hvdp' reduces over all ranks: group must be None", rank=hvd.rank())
+        op = _reduce_op(reduce_op)
+        if hvd.size() == 1:
+            return tensor
+        if op is hvd.Average and not tensor.is_floating_point():
+            tensor = tensor.double()
+        with torch.inference_mode(False):  # Lightning evaluates under inference_mode, where Horovod cannot allocate
+            return hvd.allreduce(tensor.clone(), op=op)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        if group is not None:
+            raise ConfigError("strategy='hvdp' gathers over all ranks: group must be None", rank=hvd.rank())
+        stacked = tensor.unsqueeze(0)  # (world_size, *shape), as Lightning's DDP gives it
+        if hvd.size() == 1:
+            return stacked
+        if sync_grads:
+            return hvd.allgather(stacked)  # differentiable (Horovod's allgather has a backward)
+        with torch.inference_mode(False):
+            return hvd.allgather(stacked.detach().clone())
+
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        _ht.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if hvd.size() == 1:
+            return obj
+        return hvd.broadcast_object(obj, root_rank=src)
+
+    def all_reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
+        return self.reduce(tensor, group=group, reduce_op=reduce_op)
+
+
+class HorovodStrategy(_Collectives, _strategies.ParallelStrategy):
     """Data-parallel training on hvdp: one process per rank, started by the launcher.
 
     Args:
@@ -297,33 +337,8 @@ class HorovodStrategy(_strategies.ParallelStrategy):
         return dataloader  # predict: Lightning's own split (unpadded, each rank predicts its part)
 
     def _train_loader(self, dataloader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
-        if dataloader.batch_size is None:
-            raise ConfigError("strategy='hvdp' splits the training data by its DataLoader's batch_size, and this "
-                              "loader has a batch_sampler of its own: build it with batch_size=<per-rank batch> "
-                              "(and shuffle=True/False), or pass use_distributed_sampler=False to the Trainer to "
-                              "shard the data yourself", rank=self.global_rank)
-        sampler = dataloader.sampler
-        own = type(getattr(sampler.dataset, "_sampler", sampler)).__name__ if hasattr(sampler, "dataset") else ""
-        if isinstance(sampler, torch.utils.data.DistributedSampler) and type(sampler) is not \
-                torch.utils.data.DistributedSampler:  # Lightning's wrapper around a sampler of the user's
-            raise ConfigError(f"strategy='hvdp' shards the training data itself, in place of a random or sequential "
-                              f"sampler, and this loader's sampler is a {own}: pass "
-                              f"use_distributed_sampler=False to the Trainer and split the data yourself (the run "
-                              f"is then not hvdp's exact one), or drop the sampler", rank=self.global_rank)
-        # the DistributedSampler Lightning put in (shuffle=True for training) or the user's own, or none
-        shuffle = getattr(sampler, "shuffle", isinstance(sampler, torch.utils.data.RandomSampler))
-        seed = self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
-        dataset = dataloader.dataset
-        agree(hvd, lambda: {"batch_size": dataloader.batch_size, "seed": seed, "shuffle": shuffle,
-                            "drop_last": dataloader.drop_last, **_data_identity(dataset)},
-              call="the training DataLoader of strategy='hvdp'")
-        plan = ShardPlan(n=len(dataset), batch_size=dataloader.batch_size, rank=hvd.rank(), size=hvd.size(),
-                         seed=seed, shuffle=shuffle, drop_last=dataloader.drop_last)
-        kwargs = _loader_kwargs(dataloader)
-        kwargs.setdefault("generator", torch.Generator().manual_seed(seed + hvd.rank()))
-        _configure(kwargs, {"dataset": dataset}, persistent=False)
-        self._train_sampler = _EpochSampler(plan)
-        return _TrainLoader(dataset, batch_sampler=self._train_sampler, **kwargs)
+        self._train_sampler, loader = _training_loader(dataloader, self._seed, _TrainLoader)
+        return loader
 
     def _eval_loader(self, dataloader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
         batch_size = dataloader.batch_size
@@ -351,40 +366,6 @@ class HorovodStrategy(_strategies.ParallelStrategy):
     def on_train_end(self) -> None:
         if _Batch.sampler is self._train_sampler:
             _Batch.sampler = None
-
-    # ------------------------------------------------------------------------------------------ collectives
-
-    def reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
-        if not isinstance(tensor, torch.Tensor):
-            return tensor
-        if group is not None:
-            raise ConfigError("strategy='hvdp' reduces over all ranks: group must be None", rank=self.global_rank)
-        op = _reduce_op(reduce_op)
-        if hvd.size() == 1:
-            return tensor
-        if op is hvd.Average and not tensor.is_floating_point():
-            tensor = tensor.double()
-        with torch.inference_mode(False):  # Lightning evaluates under inference_mode, where Horovod cannot allocate
-            return hvd.allreduce(tensor.clone(), op=op)
-
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-        if group is not None:
-            raise ConfigError("strategy='hvdp' gathers over all ranks: group must be None", rank=self.global_rank)
-        stacked = tensor.unsqueeze(0)  # (world_size, *shape), as Lightning's DDP gives it
-        if hvd.size() == 1:
-            return stacked
-        if sync_grads:
-            return hvd.allgather(stacked)  # differentiable (Horovod's allgather has a backward)
-        with torch.inference_mode(False):
-            return hvd.allgather(stacked.detach().clone())
-
-    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        _ht.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if hvd.size() == 1:
-            return obj
-        return hvd.broadcast_object(obj, root_rank=src)
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
@@ -429,6 +410,150 @@ class HorovodStrategy(_strategies.ParallelStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="hvdp's data parallelism on Horovod "
                                    "(one process per rank, started by horovodrun, mpirun or srun)", override=True)
+
+
+class HorovodFabricStrategy(_Collectives, _fabric.strategies.ParallelStrategy):
+    """HorovodStrategy's data parallelism for Lightning Fabric's loops: Fabric(strategy="hvdp").
+
+    fabric.setup(model, optimizer) prepares the optimizer (hvdp.torch.prepare: the rate rule and warmup,
+    gradients averaged in optimizer.step(), rank 0's weights and state broadcast); fabric.setup_dataloaders()
+    gives hvdp's exact sharding of every loader it is given (an epoch's uneven last batch weighted, so that
+    optimizer.step() is one process's step on the global batch); fabric.clip_gradients() clips the averaged
+    gradients; all_reduce, all_gather, barrier and broadcast are Horovod's. Arguments as HorovodStrategy's.
+    """
+
+    def __init__(self, *, lr_scaling: str = "linear", warmup_steps: int = 0, compression: str = "none",
+                 op: str = "average", sync_batchnorm: bool = False, seed: int | None = None,
+                 accelerator=None, checkpoint_io=None, precision=None):
+        self._world = _ht.init()
+        super().__init__(accelerator=accelerator, parallel_devices=[_ht.device()],
+                         cluster_environment=HorovodEnvironment(), checkpoint_io=checkpoint_io, precision=precision)
+        self._prepare_kwargs = dict(lr_scaling=lr_scaling, warmup_steps=warmup_steps, compression=compression,
+                                    op=op, sync_batchnorm=sync_batchnorm)
+        self._seed = seed
+        rank_zero_only.rank = self._world.rank
+
+    @property
+    def root_device(self) -> torch.device:
+        return _ht.device()
+
+    @property
+    def global_rank(self) -> int:
+        return hvd.rank()
+
+    @property
+    def local_rank(self) -> int:
+        return hvd.local_rank()
+
+    @property
+    def node_rank(self) -> int:
+        return hvd.cross_rank()
+
+    @property
+    def world_size(self) -> int:
+        return hvd.size()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": hvd.size(), "rank": hvd.rank()}
+
+    def setup_environment(self) -> None:
+        rank_zero_only.rank = self._world.rank
+        super().setup_environment()
+
+    def module_to_device(self, module: torch.nn.Module) -> None:
+        module.to(self.root_device)
+
+    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        if len(optimizers) != 1:
+            raise ConfigError(f"Fabric(strategy='hvdp') prepares one optimizer with its model, and setup() was given "
+                              f"{len(optimizers)}: build one optimizer with a param group per part of the model",
+                              rank=hvd.rank())
+        self.module_to_device(module)
+        prepared = _ht.prepare(module, optimizers[0], **self._prepare_kwargs)
+        return module, [_Prepared(prepared)], scheduler
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.module_to_device(module)
+        _ht.broadcast(module)  # a model set up without an optimizer: rank 0's weights everywhere
+        return module
+
+    def setup_optimizer(self, optimizer):
+        raise ConfigError("Fabric(strategy='hvdp') prepares an optimizer with its model: fabric.setup(model, "
+                          "optimizer), not fabric.setup_optimizers(optimizer)", rank=hvd.rank())
+
+    def process_dataloader(self, dataloader):
+        if (not isinstance(dataloader, torch.utils.data.DataLoader)
+                or isinstance(dataloader.dataset, torch.utils.data.IterableDataset)
+                or not isinstance(dataloader.sampler, torch.utils.data.DistributedSampler)):
+            return dataloader  # use_distributed_sampler=False: the user's own sampling; a stream
+        return _training_loader(dataloader, self._seed, _ShardLoader)[1]
+
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
+        _prepared_of(optimizer).synchronize()  # the averaged gradients are clipped (step() then skips the reduce)
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    def clip_gradients_value(self, module, optimizer, clip_val) -> None:
+        _prepared_of(optimizer).synchronize()
+        return super().clip_gradients_value(module, optimizer, clip_val)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("hvdp", cls, description="hvdp's data parallelism on Horovod for Fabric",
+                                   override=True)
+
+
+class _Prepared:
+    """The prepared optimizer as Fabric holds it. Fabric's optimizer wrapper subclasses the class of what it
+    wraps, and Horovod's methods (zero_grad: super(self.__class__, self)) would then run on that wrapper and
+    recurse; this plain class's methods reach the prepared optimizer by name instead."""
+
+    def __init__(self, prepared: torch.optim.Optimizer):
+        self._prepared = prepared
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_prepared":
+            raise AttributeError(name)
+        return getattr(self._prepared, name)
+
+    @property
+    def param_groups(self) -> list:
+        return self._prepared.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self._prepared.state
+
+    @property
+    def defaults(self) -> dict:
+        return self._prepared.defaults
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return self._prepared.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._prepared.zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        self._prepared.synchronize()
+
+    def skip_synchronize(self):
+        return self._prepared.skip_synchronize()
+
+    def state_dict(self) -> dict:
+        return self._prepared.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._prepared.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        self._prepared.add_param_group(param_group)
+
+
+def _prepared_of(optimizer):
+    """The optimizer prepare() returned, inside Fabric's wrapper and _Prepared."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
+    return getattr(optimizer, "_prepared", optimizer)
 
 
 class _StepAfterClosure:
@@ -495,6 +620,37 @@ class EvalBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
+def _training_loader(dataloader: torch.utils.data.DataLoader, seed: int | None, loader_class: type):
+    """(the sampler, the loader) of hvdp's exact sharding in place of `dataloader`'s sampling (both strategies)."""
+    if dataloader.batch_size is None:
+        raise ConfigError("strategy='hvdp' splits the training data by its DataLoader's batch_size, and this "
+                          "loader has a batch_sampler of its own: build it with batch_size=<per-rank batch> "
+                          "(and shuffle=True/False), or pass use_distributed_sampler=False (to the Trainer, or to "
+                          "Fabric's setup_dataloaders) to shard the data yourself", rank=hvd.rank())
+    sampler = dataloader.sampler
+    own = type(getattr(sampler.dataset, "_sampler", sampler)).__name__ if hasattr(sampler, "dataset") else ""
+    if isinstance(sampler, torch.utils.data.DistributedSampler) and type(sampler) is not \
+            torch.utils.data.DistributedSampler:  # Lightning's wrapper around a sampler of the user's
+        raise ConfigError(f"strategy='hvdp' shards the training data itself, in place of a random or sequential "
+                          f"sampler, and this loader's sampler is a {own}: pass use_distributed_sampler=False "
+                          f"(Trainer, setup_dataloaders) and split the data yourself (the run is then not hvdp's "
+                          f"exact one), or drop the sampler", rank=hvd.rank())
+    # the DistributedSampler Lightning put in (shuffle=True for training) or the user's own, or none
+    shuffle = getattr(sampler, "shuffle", isinstance(sampler, torch.utils.data.RandomSampler))
+    seed = seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+    dataset = dataloader.dataset
+    agree(hvd, lambda: {"batch_size": dataloader.batch_size, "seed": seed, "shuffle": shuffle,
+                        "drop_last": dataloader.drop_last, **_data_identity(dataset)},
+          call="the training DataLoader of strategy='hvdp'")
+    plan = ShardPlan(n=len(dataset), batch_size=dataloader.batch_size, rank=hvd.rank(), size=hvd.size(),
+                     seed=seed, shuffle=shuffle, drop_last=dataloader.drop_last)
+    kwargs = _loader_kwargs(dataloader)
+    kwargs.setdefault("generator", torch.Generator().manual_seed(seed + hvd.rank()))
+    _configure(kwargs, {"dataset": dataset}, persistent=False)
+    sampler = _EpochSampler(plan)
+    return sampler, loader_class(dataset, batch_sampler=sampler, **kwargs)
+
+
 def _reduce_op(reduce_op: Any):
     name = str(getattr(reduce_op, "name", reduce_op)).lower().rsplit(".", 1)[-1]
     ops = {"none": hvd.Average, "mean": hvd.Average, "avg": hvd.Average, "average": hvd.Average,
@@ -530,5 +686,6 @@ def _loader_kwargs(dataloader: torch.utils.data.DataLoader) -> dict:
 
 
 HorovodStrategy.register_strategies(_strategies.StrategyRegistry)
+HorovodFabricStrategy.register_strategies(_fabric.strategies.STRATEGY_REGISTRY)
 
-__all__ = ["HorovodStrategy", "HorovodEnvironment", "EvalBatches"]
+__all__ = ["HorovodStrategy", "HorovodFabricStrategy", "HorovodEnvironment", "EvalBatches"]

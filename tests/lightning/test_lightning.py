@@ -39,7 +39,8 @@ def test_resume_on_one_process_of_a_two_rank_checkpoint(results):
 
 PYTORCH_LIGHTNING_CHECKS = ["fit_sgd_equals_one_process_with_the_global_batch",
                             "strategy_by_name_accumulate_and_clip_equal_one_process",
-                            "validate_and_test_metrics_count_every_sample_once", "collectives_map_onto_horovod"]
+                            "validate_and_test_metrics_count_every_sample_once", "collectives_map_onto_horovod",
+                            "fabric_loop_with_clipping_equals_one_process"]
 
 
 @pytest.fixture(scope="module")

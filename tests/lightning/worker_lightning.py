@@ -232,6 +232,31 @@ def manual_optimization_equals_one_process(tmp):
     fit_and_compare(Manual())
 
 
+@check
+def fabric_loop_with_clipping_equals_one_process(tmp):
+    # Fabric(strategy="hvdp"): the user's own loop, with fabric.backward and fabric.clip_gradients
+    fabric_module = importlib.import_module("lightning.fabric" if pl.__name__ == "lightning.pytorch"
+                                            else "lightning_fabric")
+    fabric = fabric_module.Fabric(strategy=hl.HorovodFabricStrategy(seed=SEED), accelerator="cpu")
+    fabric.launch()  # Fabric's own call; the launcher already started the processes
+    dataset = data(n_train())
+    module = Net("sgd")
+    model, opt = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9))
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True))
+    for epoch in range(2):
+        for x, y in loader:
+            opt.zero_grad()
+            fabric.backward(F.mse_loss(model(x), y))
+            fabric.clip_gradients(model, opt, max_norm=0.5)
+            opt.step()
+    same_on_every_rank(module)
+    dw = max_dw(module, reference(module, dataset, clip=0.5))
+    print(f"[rank {world.rank}] Fabric: max |dw| {dw:.3g}", file=sys.stderr)
+    assert dw < 1e-5, dw
+    total = fabric.all_reduce(torch.tensor(float(world.rank + 1)), reduce_op="sum")
+    assert float(total) == world.size * (world.size + 1) / 2
+
+
 # ------------------------------------------------------------------------------------------ evaluation
 
 @check
