@@ -2,7 +2,7 @@
 horovodrun, mpirun or srun (the Trainer spawns nothing) and trains as one process with the global batch would.
 
     import lightning.pytorch as pl
-    import hvdp.lightning                      # registers strategy="hvdp"
+    import hvdp.lightning                      # registers strategy="hvdp" (Trainer and Fabric)
     trainer = pl.Trainer(strategy="hvdp", max_epochs=10)   # or strategy=hvdp.lightning.HorovodStrategy(...)
     trainer.fit(model, train_loader, val_loader)           # batch_size of the loaders: per rank
 
@@ -22,6 +22,9 @@ What it does to the Trainer's run (docs/lightning.md):
   another world size, or by another strategy (one process's rates).
 accumulate_grad_batches, gradient_clip_val/algorithm and precision="bf16-mixed" keep one process's meaning.
 One optimizer (configure_optimizers returning more is a ConfigError).
+
+HorovodFabricStrategy (Fabric(strategy="hvdp")) does the same for Lightning Fabric's loops: setup(model,
+optimizer) prepares the optimizer, setup_dataloaders() shards, clip_gradients() clips the averaged gradients.
 
 Importing this module imports Lightning (lightning.pytorch, else pytorch_lightning: the one already imported
 when both are installed), torch and horovod.torch; nothing else in hvdp imports it.
