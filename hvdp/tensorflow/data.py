@@ -201,7 +201,9 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
     is a ConfigError on every rank, naming the rank and the value.
 
     Args:
-        data: the samples, as above; every rank passes the same.
+        data: the samples, as above; every rank passes the same. Nested samples keep their nesting:
+            (x, (y1, y2)), ({"a": xa, "b": xb}, y), as arrays or a tf.data dataset of such samples (each leaf
+            array indexed, the batch packed back into the sample's structure).
         batch_size: samples per rank per batch, from 1 to len(data) // size.
         shuffle: a new order every epoch (default True).
         seed: the seed of the epoch order (default 0).
@@ -225,7 +227,8 @@ def shard(data, *, batch_size: int, shuffle: bool = True, seed: int = 0, drop_la
 
     Raises:
         ConfigError: the ranks passed different settings or data (on every rank, naming the rank and the
-            value); an infinite (repeated) or empty dataset, arrays of different lengths, batch_size < 1,
+            value); an infinite (repeated), empty or already batched dataset (.batch() or .padded_batch() in
+            its pipeline: shard batches), samples of different shapes, arrays of different lengths, batch_size < 1,
             fewer samples than ranks, batch_size larger than each rank's share, `map` not callable, or
             backward_passes_per_step not an integer >= 1.
     """
