@@ -102,7 +102,7 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
             raise ConfigError("`epoch` is kept by ElasticState itself (state.epoch, from the data position); "
                               "leave it out of the extras", rank=_rank())
         self.model, self.data = model, data
-        self._continued: dict = {}  # fit's callbacks by identity, kept across fit's epochs and resets (_Continued)
+        self._continued: dict = {}  # fit's callbacks by identity, kept across fit's epochs (_Continued)
         self.position = (0, 0)  # (epoch, samples of its order trained on): where training is
         _build_optimizer(optimizer, model)  # its variables exist before the first snapshot
         self._snapshot = self._take()
@@ -206,9 +206,9 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
             ConfigError: `commit_every` is not an integer >= 1, or fit_kwargs has an argument fit() sets.
 
         `callbacks` see one fit, not one per epoch (_Continued): their on_train_begin runs at the first epoch of
-        this call (not again after a reset: the state keeps them by identity, so pass the same objects, built
-        outside the elastic_run function), their on_train_end after the last, so EarlyStopping's patience,
-        ReduceLROnPlateau's plateau and CSVLogger's file span the epochs. A `stop_training` (EarlyStopping,
+        this call, their on_train_end after the last, so EarlyStopping's patience, ReduceLROnPlateau's plateau
+        and CSVLogger's file span the epochs. A fit that raises (a reset) ends them as a Keras fit that raises
+        does (no on_train_end): the call elastic_run makes after the reset begins them anew. A `stop_training` (EarlyStopping,
         TerminateOnNaN, any callback on any rank: the ranks agree, hvdp/_keras_stop.py) ends this call after
         that epoch. Keras's file writers among them run on rank 0 only (hvdp/_keras_rank0.py).
         """
@@ -224,13 +224,18 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         continued = [self._continue(c) for c in callbacks or []]
         histories = []
         self.model.stop_training = False
-        while self.epoch < epochs and not self.model.stop_training:
-            data, offset = self._rest_of_epoch()
-            setup = DistributedCallback(data=None)
-            setup._broadcast_first = False
-            histories.append(self.model.fit(
-                data, initial_epoch=self.epoch, epochs=self.epoch + 1, **fit_kwargs,
-                callbacks=[setup, *continued, _RankZeroProgbar(), _Commit(self, self.epoch, offset, commit_every)]))
+        try:
+            while self.epoch < epochs and not self.model.stop_training:
+                data, offset = self._rest_of_epoch()
+                setup = DistributedCallback(data=None)
+                setup._broadcast_first = False
+                histories.append(self.model.fit(
+                    data, initial_epoch=self.epoch, epochs=self.epoch + 1, **fit_kwargs,
+                    callbacks=[setup, *continued, _RankZeroProgbar(), _Commit(self, self.epoch, offset, commit_every)]))
+        except BaseException:  # a fit that raised is over, as Keras's own: the next call begins them anew
+            for c in continued:
+                c.abandon()
+            raise
         for c in continued:  # their on_train_end, once, after the last epoch (or the agreed stop)
             c.end()
         return histories
@@ -261,6 +266,10 @@ class _Continued(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._logs = logs
+
+    def abandon(self) -> None:
+        """Forget that the callback began (a fit raised out of ElasticState.fit: no on_train_end, as Keras)."""
+        self._began = False
 
     def end(self) -> None:
         """The callback's on_train_end (the fits this ElasticState.fit made are over); the next call begins anew."""
