@@ -2,7 +2,8 @@
 import subprocess
 import sys
 
-HEAVY = ("torch", "tensorflow", "keras", "horovod", "mpi4py", "sklearn", "matplotlib", "pyspark", "ray", "py4j")
+HEAVY = ("torch", "tensorflow", "keras", "horovod", "mpi4py", "sklearn", "matplotlib", "pyspark", "ray", "py4j",
+         "lightning", "pytorch_lightning")
 
 
 def test_import_hvdp_loads_no_framework():
