@@ -130,8 +130,9 @@ def on_signal_now(callback: Callable[[], None]) -> bool:
     if _wakeup is None:
         read, write = os.pipe()
         os.set_blocking(write, False)
-        if signal.set_wakeup_fd(write, warn_on_full_buffer=False) != -1:
-            signal.set_wakeup_fd(-1)  # someone else's: give it back
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if previous != -1:
+            signal.set_wakeup_fd(previous)  # someone else's: give it back
             os.close(read)
             os.close(write)
             return False

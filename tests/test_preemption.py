@@ -212,3 +212,48 @@ def test_the_requeue_exit_code_and_signals_come_from_the_environment():
                           env=env(HVDP_PREEMPTION="1", HVDP_PREEMPT_SIGNALS="USR2", HVDP_REQUEUE_EXIT_CODE="99"),
                           timeout=60)
     assert proc.returncode == 99 and "hvdp: preempted (SIGUSR2)" in proc.stdout, proc.stdout + proc.stderr
+
+
+SIGNAL_NOW = """
+import os, signal, sys, threading, time
+import numpy as np
+from hvdp import _preemption
+from hvdp.core.world import World
+_preemption.enable(True, World())
+if sys.argv[1] == "taken":  # another wakeup fd is set (an asyncio loop's): it is left as it was
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w)
+    print("installed", _preemption.on_signal_now(lambda: None), "kept", signal.set_wakeup_fd(-1) == w)
+    sys.exit(0)
+_preemption.arm()
+seen = []
+assert _preemption.on_signal_now(lambda: seen.append(time.monotonic()))
+a = np.random.default_rng(0).random((1500, 1500))
+threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+calls = []
+for _ in range(40):  # the main thread in C (a BLAS product): Python runs no handler inside one
+    start = time.monotonic()
+    a = a @ a
+    a /= np.abs(a).max()
+    calls.append((start, time.monotonic()))
+    if seen:
+        break
+inside = [e - seen[0] for s, e in calls if s < seen[0] < e] if seen else []
+print("callback", "inside a call, before its end by", round(inside[0], 3) if inside else None,
+      "received", _preemption.received())
+"""
+
+
+def test_a_stop_signal_reaches_hvdp_s_thread_while_the_main_thread_is_in_c():
+    """on_signal_now (issue 45 item 4): the callback runs on hvdp's thread as soon as the signal arrives (from
+    signal.set_wakeup_fd's pipe), while the main thread is inside a long C call (a compiled step, here a BLAS
+    product); the Python handler still records it. Another wakeup fd already set is left in place."""
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_NOW, "armed"], capture_output=True, text=True, cwd=ROOT,
+                          env=env(OMP_NUM_THREADS="1"), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"callback inside a call, before its end by 0\.\d*[1-9]", proc.stdout), proc.stdout
+    assert "received SIGTERM" in proc.stdout, proc.stdout
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_NOW, "taken"], capture_output=True, text=True, cwd=ROOT,
+                          env=env(), timeout=60)
+    assert "installed False kept True" in proc.stdout, proc.stdout + proc.stderr
