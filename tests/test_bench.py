@@ -4,6 +4,7 @@ the machines are shared and noisy; numbers are for docs/benchmarks.md, not for p
 import json
 import statistics
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -204,3 +205,31 @@ def test_memory_counts_each_storage_once_and_the_peak_from_the_start():
     assert report["peak_reset"] and 48 << 20 <= report["peak_rss_rise_bytes"] < 80 << 20, report
     assert 48 << 20 <= report["anon_rise_bytes"] < 80 << 20, report
     del held
+
+
+def test_a_memory_cap_probe_past_its_limit_leaves_no_process_behind(tmp_path):
+    """`hvdp bench --memory-cap`'s probes are whole jobs: one that runs past its limit is ended with every
+    process below it. A rank left running by a killed launcher spun at 70% of a core for 1.5 hours here (the
+    sharded 20-block probe at 1,300 MiB), slowing everything run after it."""
+    import os
+    import sys
+
+    from hvdp.tools import bench_sharded
+
+    pids = tmp_path / "pids"
+    job = ("import os, subprocess, sys, time\n"  # a launcher with a rank below it, both waiting forever
+           "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+           f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}} {{rank.pid}} ')\n"
+           "time.sleep(300)\n")
+    result = bench_sharded.memory_cap(100, 2, lambda args: [sys.executable, "-c", job], dict(os.environ),
+                                      max_layers=1, timeout=3)
+    started = [int(p) for p in pids.read_text().split()]
+
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    assert len(started) >= 2 and not [p for p in started if running(p)], started
+    assert all(r["rc"] == "timeout" and not r["fits"] for runs in result["runs"].values() for r in runs), result

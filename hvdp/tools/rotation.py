@@ -98,7 +98,7 @@ def rotate(jobs: list[Job], rounds: int, directory: Path, *, start_timeout: floa
         for job in jobs:
             _wait_for(jobs, job, lambda j=job: len(list(directory.glob(f"{j.name}.*.ready"))) >= j.processes,
                       "to start", start_timeout)
-            job.pids = _descendants([p.pid for p in job.procs])
+            job.pids = descendants([p.pid for p in job.procs])
         for job in jobs:
             _signal(job, signal.SIGSTOP)
         results: dict[str, list[list[dict]]] = {job.name: [] for job in jobs}
@@ -157,7 +157,7 @@ def _finish(jobs: list[Job], directory: Path, timeout: float = 120) -> None:
             except subprocess.TimeoutExpired:
                 pass
         for pid in job.pids or [p.pid for p in job.procs]:
-            _kill(pid, signal.SIGKILL)
+            kill(pid, signal.SIGKILL)
         for proc in job.procs:
             if proc.poll() is None:
                 proc.wait()
@@ -165,17 +165,17 @@ def _finish(jobs: list[Job], directory: Path, timeout: float = 120) -> None:
 
 def _signal(job: Job, sig: int) -> None:
     for pid in job.pids:
-        _kill(pid, sig)
+        kill(pid, sig)
 
 
-def _kill(pid: int, sig: int) -> None:
+def kill(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _descendants(roots: list[int]) -> list[int]:
+def descendants(roots: list[int]) -> list[int]:
     """`roots` and every process below them (by parent pid: torchrun's workers are in sessions of their own)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
