@@ -89,6 +89,8 @@ START, END = "<!-- fixes: generated", "<!-- /fixes -->"
 
 # (page, the figure as written, the file that sets it, a pattern that file must hold)
 SETTINGS = [
+    ("docs/launchers.md", "12 s", "tests/slurm/test_sbatch.py", r"^SUSPEND_SECONDS = 12$"),
+    ("docs/troubleshooting.md", "12 s", "tests/faults/test_pause.py", r"^PAUSE = 12 "),
     ("docs/troubleshooting.md", "30000ms", "docs/launchers.md", r"HOROVOD_GLOO_TIMEOUT_SECONDS` \(default 30\)"),
     ("docs/troubleshooting.md", "30 minutes", "hvdp/core/tuning.py", r'"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "1800"'),
     ("docs/troubleshooting.md", "10–30 minutes", "hvdp/core/watchdog.py", r"NCCL watchdogs' 10-30 minutes"),
@@ -104,7 +106,7 @@ SETTINGS = [
 ]
 # Figures recorded first-hand on a guide page (a run that page describes), on no other guide page.
 RECORDED = {
-    "docs/docker.md": ["1.5 min"],
+    "docs/docker.md": ["1.5 min", "8 min"],
     "docs/elastic.md": ["22 s", "26–58 s"],
     "docs/gpus.md": ["110 s", "4.5 min", "63 s", "630 s"],
     "docs/install.md": ["10 min", "10 minutes", "45 s", "706 s"],
@@ -312,6 +314,8 @@ def test_suite_figures_are_written_from_a_pytest_summary():
     figures = suite.parse(log)  # the last summary line; an error counts as failed, warnings not at all
     assert figures == {"passed": 2454, "skipped": 12, "failed": 12, "seconds": 3480.12}
     assert suite.sentence(figures, "2026-12-07") == "2,478 tests in 58 minutes on 2026-12-07, 12 skipped, 12 failed"
+    quiet = suite.parse("....   [100%]\n2759 passed, 13 skipped in 4371.82s (1:12:51)\n")  # make test's pytest -q
+    assert quiet == {"passed": 2759, "skipped": 13, "failed": 0, "seconds": 4371.82}
     with pytest.raises(ValueError, match="no pytest summary"):
         suite.parse("no summary here")
     with pytest.raises(ValueError):

@@ -21,7 +21,8 @@ from pathlib import Path
 from hvdp.tools import resources
 
 MARKERS = ("<!-- suite: written by `python -m hvdp.tools.suite_figures LOG --date D --write` -->", "<!-- /suite -->")
-_SUMMARY = re.compile(r"^=+ (\d+ \w+(?:, \d+ \w+)*) in ([\d.]+)s(?: \([\d:]+\))? =+\s*$", re.M)
+# pytest's last line, between '=' banners, or bare under -q (make test's)
+_SUMMARY = re.compile(r"^(?:=+ )?(\d+ \w+(?:, \d+ \w+)*) in ([\d.]+)s(?: \([\d:]+\))?(?: =+)?\s*$", re.M)
 _SENTENCE = re.compile(r"^([\d,]+) tests in (\d+) minutes on (\d{4}-\d\d-\d\d), ([\d,]+) skipped, ([\d,]+) failed$")
 # pytest's outcome words, singular and plural, to what is counted
 _OUTCOMES = {"passed": "passed", "skipped": "skipped", "failed": "failed", "error": "failed", "errors": "failed",
