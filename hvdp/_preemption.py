@@ -118,16 +118,22 @@ def on_signal_now(callback: Callable[[], None]) -> bool:
     """Run `callback` on a thread of hvdp's as soon as a stop signal reaches this process once armed, even
     while the main thread is inside a compiled step (Python runs a signal's handler only when the main thread
     is between two bytecodes: after a whole steps_per_execution loop of a compiled Keras step). The C-level
-    handler writes each signal's number into signal.set_wakeup_fd's pipe; the thread reads it there.
+    handler writes each signal's number into signal.set_wakeup_fd's pipe; the thread reads it there. A signal
+    already received runs `callback` now.
 
     Returns:
-        False, installing nothing, when preemption is off, outside the main thread, or when another wakeup fd
-        is set (an asyncio loop's): the caller keeps its step-boundary check.
+        Whether the thread is in place. False when preemption is off (nothing registered), outside the main
+        thread, or when another wakeup fd is set (an asyncio loop's; it is kept): the caller then acts on
+        received() between its steps.
     """
     global _wakeup
-    if _settings is None or threading.current_thread() is not threading.main_thread():
+    if _settings is None:
         return False
-    if _wakeup is None:
+    if callback not in _now:
+        _now.append(callback)
+    if _received:
+        callback()
+    if _wakeup is None and threading.current_thread() is threading.main_thread():
         read, write = os.pipe()
         os.set_blocking(write, False)
         previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
@@ -138,11 +144,7 @@ def on_signal_now(callback: Callable[[], None]) -> bool:
             return False
         _wakeup = (read, write)
         threading.Thread(target=_watch, args=(read,), name="hvdp-preemption", daemon=True).start()
-    if callback not in _now:
-        _now.append(callback)
-    if _received:  # a signal already handled (between two steps): act on it now
-        callback()
-    return True
+    return _wakeup is not None
 
 
 def forget_signal_now(callback: Callable[[], None]) -> None:

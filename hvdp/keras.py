@@ -353,7 +353,9 @@ class DistributedCallback(keras.callbacks.Callback):
             fit_list[-1].set_model(self.model)
         if self.checkpoint_dir and _preemption.enabled():  # a stop signal rides the next step's all-reduce
             _preemption.arm()
-            self._signal_route = flag.ask_for_signal if _preemption.on_signal_now(flag.ask_for_signal) else None
+            # the same route on every rank: where no wakeup thread can be set, _stop_if_preempted asks instead
+            _preemption.on_signal_now(flag.ask_for_signal)
+            self._signal_route = flag.ask_for_signal
 
     def on_train_end(self, logs=None):
         """Forget the resumed epoch, so that a later fit() starts from its own initial_epoch, and a stop the
@@ -410,6 +412,8 @@ class DistributedCallback(keras.callbacks.Callback):
         flag = getattr(self.model.optimizer, "_hvdp_stop", None)
         if self._signal_route is not None and flag is not None:
             if not flag.agreed():
+                if _preemption.received():  # (without hvdp's thread: the next step carries it)
+                    flag.ask_for_signal()
                 return
             signalled = 1.0 if _preemption.received() else 0.0
             if _keras_backend.allreduce_mean([signalled], "hvdp.preempted")[0] == 0:
