@@ -57,8 +57,30 @@ class HorovodEnvironment(ClusterEnvironment):
         return hvd.cross_rank()
 
 
-class _Collectives:
-    """reduce (all_reduce in Fabric), all_gather, barrier and broadcast of both strategies: Horovod's collectives."""
+class _Horovod:
+    """What both strategies take from Horovod: the world (this rank's device, its ranks, the size) and reduce
+    (all_reduce in Fabric), all_gather, barrier and broadcast."""
+
+    @property
+    def root_device(self) -> torch.device:
+        return _ht.device()
+
+    @property
+    def global_rank(self) -> int:
+        return hvd.rank()
+
+    @property
+    def local_rank(self) -> int:
+        return hvd.local_rank()
+
+    @property
+    def node_rank(self) -> int:
+        return hvd.cross_rank()
+
+    @property
+    def world_size(self) -> int:
+        return hvd.size()
+
 
     def reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
         if not isinstance(tensor, torch.Tensor):

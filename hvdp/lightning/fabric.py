@@ -10,12 +10,12 @@ import torch.utils.data
 from hvdp import torch as _ht
 from hvdp.core.errors import ConfigError
 from hvdp.lightning._package import fabric, rank_zero_only
-from hvdp.lightning.common import HorovodEnvironment, _Collectives, _training_loader
+from hvdp.lightning.common import HorovodEnvironment, _Horovod, _training_loader
 from hvdp.torch.data import _ShardLoader
 from hvdp.torch.runtime import hvd
 
 
-class HorovodFabricStrategy(_Collectives, fabric.strategies.ParallelStrategy):
+class HorovodFabricStrategy(_Horovod, fabric.strategies.ParallelStrategy):
     """HorovodStrategy's data parallelism for Lightning Fabric's loops: Fabric(strategy="hvdp").
 
     fabric.setup(model, optimizer) prepares the optimizer (hvdp.torch.prepare: the rate rule and warmup,
@@ -35,26 +35,6 @@ class HorovodFabricStrategy(_Collectives, fabric.strategies.ParallelStrategy):
                                     op=op, sync_batchnorm=sync_batchnorm)
         self._seed = seed
         rank_zero_only.rank = self._world.rank
-
-    @property
-    def root_device(self) -> torch.device:
-        return _ht.device()
-
-    @property
-    def global_rank(self) -> int:
-        return hvd.rank()
-
-    @property
-    def local_rank(self) -> int:
-        return hvd.local_rank()
-
-    @property
-    def node_rank(self) -> int:
-        return hvd.cross_rank()
-
-    @property
-    def world_size(self) -> int:
-        return hvd.size()
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

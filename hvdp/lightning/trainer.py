@@ -15,7 +15,7 @@ from hvdp._horovod import agree
 from hvdp.core import checkpoint as _ckpt
 from hvdp.core.errors import CheckpointError, ConfigError
 from hvdp.lightning._package import pl, rank_zero_only, strategies
-from hvdp.lightning.common import (EvalBatches, HorovodEnvironment, _Collectives, _EpochSampler, _loader_kwargs,
+from hvdp.lightning.common import (EvalBatches, HorovodEnvironment, _Horovod, _EpochSampler, _loader_kwargs,
                                    _TrainLoader, _training_loader)
 from hvdp.torch.data import _data_identity
 from hvdp.torch.optimizer import _rescale_groups, _rescale_scheduler_states
@@ -27,7 +27,7 @@ _RunningStage = pl.trainer.states.RunningStage
 _TrainerFn = pl.trainer.states.TrainerFn
 
 
-class HorovodStrategy(_Collectives, strategies.ParallelStrategy):
+class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
     """Data-parallel training on hvdp: one process per rank, started by the launcher.
 
     Args:
@@ -68,26 +68,6 @@ class HorovodStrategy(_Collectives, strategies.ParallelStrategy):
         warnings.filterwarnings("ignore", message="Using `DistributedSampler` with the dataloaders. During `trainer")
 
     # ------------------------------------------------------------------------------------------ the world
-
-    @property
-    def root_device(self) -> torch.device:
-        return _ht.device()
-
-    @property
-    def global_rank(self) -> int:
-        return hvd.rank()
-
-    @property
-    def local_rank(self) -> int:
-        return hvd.local_rank()
-
-    @property
-    def node_rank(self) -> int:
-        return hvd.cross_rank()
-
-    @property
-    def world_size(self) -> int:
-        return hvd.size()
 
     @property
     def is_distributed(self) -> bool:
