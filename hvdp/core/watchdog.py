@@ -521,7 +521,7 @@ class Watchdog:
         op, since = self.collectives.waiting()
         if op is None or self.elapsed(since, now) <= self.mismatch_limit or len(self.state) != len(self.peers) - 1:
             return ""
-        if any(now - p.heard > self.interval * STALE_BEATS for p in self.state.values()):
+        if any(not self._fresh(p, now) for p in self.state.values()):
             return ""  # a peer's state is old news: the silent-peer limit decides
         ranks = {self.rank: (op, since, tuple(self._lacks(op)))}
         ranks.update((r, (p.op, p.op_since, p.lacks)) for r, p in self.state.items())
@@ -535,6 +535,10 @@ class Watchdog:
         return "; ".join(f"rank {r} waits for {o} ({self.elapsed(s, now):.0f} s), which {_ranks(missing[r])} never submitted"
                          for r, (o, s, _) in sorted(ranks.items()))
 
+    def _fresh(self, peer: PeerState, now: float) -> bool:
+        """Whether `peer`'s last heartbeat still says where it is (heard within STALE_BEATS intervals)."""
+        return now - peer.heard <= self.interval * STALE_BEATS
+
     def not_entered(self, now: float | None = None) -> str:
         """Which ranks had not entered the collective the others were in, by name, from this rank's own state
         and its peers' last heartbeats ("" when every rank in a collective has the others' submitted). A peer
@@ -545,8 +549,7 @@ class Watchdog:
             now: the current time.monotonic(); default None reads the clock.
         """
         now = time.monotonic() if now is None else now
-        stale = self.interval * STALE_BEATS
-        fresh = {r: p for r, p in self.state.items() if now - p.heard <= stale}
+        fresh = {r: p for r, p in self.state.items() if self._fresh(p, now)}
         op, _ = self.collectives.waiting()
         current = {self.rank: op, **{r: p.op for r, p in fresh.items()}}
         lacks = {self.rank: set(self._lacks(op)) if op is not None else
