@@ -41,7 +41,7 @@ from hvdp.torch.optimizer import _counted
 from hvdp.torch.runtime import COMPUTING, hvd
 from hvdp.torch.sharded_layout import _Bucket, _Owned, _Piece, balance, element_wise, pack, split
 from hvdp.torch.sharded_state import ShardedStateDict, describe_state
-from hvdp.torch.weights import _Batch, _gradient_hook
+from hvdp.torch.weights import _Batch, _gradient_hook, at_end_of_backward
 
 __all__ = ["BUCKET_BYTES", "ShardedOptimizer", "split"]
 
@@ -435,11 +435,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
     def _accumulated(self, param: torch.Tensor) -> None:
         # autograd's hook after a gradient was accumulated into param.grad, during the backward pass
         if not self._queued:  # hvdp (issue 47): mark this pass's last gradient ready when the pass ends
-            self._queued = True
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            except RuntimeError:  # not inside the autograd engine (a hook called by hand)
-                self._queued = False
+            self._queued = at_end_of_backward(self._end_of_backward)
         seen = self._counts[id(param)] = self._counts.get(id(param), 0) + 1
         if seen > self._passes:
             raise ConfigError(f"a gradient was computed {seen} times before step(), with backward_passes_per_step="

@@ -31,7 +31,7 @@ import torch
 
 from hvdp import _stragglers
 from hvdp.torch.runtime import hvd
-from hvdp.torch.weights import _Batch, _gradient_hook
+from hvdp.torch.weights import _Batch, _gradient_hook, at_end_of_backward
 
 
 class _Usage:
@@ -58,12 +58,8 @@ class _Usage:
     def gradient_arrived(self) -> None:
         """Called by hvdp's gradient hook of every tracked parameter, in the backward pass."""
         self.fresh = True
-        if not self.queued and self.reducing:
-            self.queued = True
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            except RuntimeError:  # not inside the autograd engine (a hook called by hand): synchronize() submits
-                self.queued = False
+        if not self.queued and self.reducing:  # outside a pass (a hook called by hand): synchronize() submits
+            self.queued = at_end_of_backward(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         _stragglers.backward_done()  # hvdp (issue 47): this pass's last gradient is ready

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 
 class _Batch:
     """The batch of shard()'s loader being trained on, for prepare()'s gradient hooks.
@@ -77,3 +79,13 @@ def _handing_out(sampler, batches):
     finally:
         if _Batch.sampler is sampler:
             _Batch.sampler = None
+
+
+def at_end_of_backward(callback: Callable[[], None]) -> bool:
+    """Queue `callback` to run when the running backward pass ends (autograd's engine calls it once every
+    gradient of the pass is accumulated); False when no pass is running (a hook called by hand)."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:
+        return False
+    return True
