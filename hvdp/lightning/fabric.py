@@ -13,6 +13,7 @@ from hvdp.lightning._package import fabric, rank_zero_only
 from hvdp.lightning.common import HorovodEnvironment, _Horovod, _training_loader
 from hvdp.torch.data import _ShardLoader
 from hvdp.torch.runtime import hvd
+from hvdp.torch.sharded import ShardedOptimizer
 
 
 class HorovodFabricStrategy(_Horovod, fabric.strategies.ParallelStrategy):
@@ -22,17 +23,19 @@ class HorovodFabricStrategy(_Horovod, fabric.strategies.ParallelStrategy):
     gradients averaged in optimizer.step(), rank 0's weights and state broadcast); fabric.setup_dataloaders()
     gives hvdp's exact sharding of every loader it is given (an epoch's uneven last batch weighted, so that
     optimizer.step() is one process's step on the global batch); fabric.clip_gradients() clips the averaged
-    gradients; all_reduce, all_gather, barrier and broadcast are Horovod's. Arguments as HorovodStrategy's.
+    gradients (with shard_optimizer_state=True, by their norm across the shards); all_reduce, all_gather,
+    barrier and broadcast are Horovod's. Arguments as HorovodStrategy's.
     """
 
     def __init__(self, *, lr_scaling: str = "linear", warmup_steps: int = 0, compression: str = "none",
-                 op: str = "average", sync_batchnorm: bool = False, seed: int | None = None,
-                 accelerator=None, checkpoint_io=None, precision=None):
+                 op: str = "average", sync_batchnorm: bool = False, shard_optimizer_state: bool = False,
+                 seed: int | None = None, accelerator=None, checkpoint_io=None, precision=None):
         self._world = _ht.init()
         super().__init__(accelerator=accelerator, parallel_devices=[_ht.device()],
                          cluster_environment=HorovodEnvironment(), checkpoint_io=checkpoint_io, precision=precision)
         self._prepare_kwargs = dict(lr_scaling=lr_scaling, warmup_steps=warmup_steps, compression=compression,
-                                    op=op, sync_batchnorm=sync_batchnorm)
+                                    op=op, sync_batchnorm=sync_batchnorm,
+                                    shard_optimizer_state=shard_optimizer_state)
         self._seed = seed
         rank_zero_only.rank = self._world.rank
 
@@ -73,12 +76,27 @@ class HorovodFabricStrategy(_Horovod, fabric.strategies.ParallelStrategy):
         return _training_loader(dataloader, self._seed, _ShardLoader)[1]
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
-        _prepared_of(optimizer).synchronize()  # the averaged gradients are clipped (step() then skips the reduce)
-        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        prepared = _prepared_of(optimizer)
+        prepared.synchronize()  # the averaged gradients are clipped (step() then skips the reduce)
+        if not isinstance(prepared, ShardedOptimizer):
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        # Fabric would clip main_params(optimizer): the shards of this rank, by their own norm
+        self.precision.unscale_gradients(optimizer)
+        norm = prepared.clip_grad_norm_(max_norm, norm_type=float(norm_type))  # the norm across the shards
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):  # the same norm on every rank: all raise
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                               f"non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+                               f"by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        return norm
 
     def clip_gradients_value(self, module, optimizer, clip_val) -> None:
-        _prepared_of(optimizer).synchronize()
-        return super().clip_gradients_value(module, optimizer, clip_val)
+        prepared = _prepared_of(optimizer)
+        prepared.synchronize()
+        if not isinstance(prepared, ShardedOptimizer):
+            return super().clip_gradients_value(module, optimizer, clip_val)
+        self.precision.unscale_gradients(optimizer)
+        # the model's parameters: torch's clip_grad_value_, guarded by hvdp.torch.sharded, clamps the shards
+        return torch.nn.utils.clip_grad_value_(prepared._params(), clip_value=clip_val)
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:

@@ -20,6 +20,7 @@ from hvdp.lightning.common import (EvalBatches, HorovodEnvironment, _Horovod, _E
 from hvdp.torch.data import _data_identity
 from hvdp.torch.optimizer import _rescale_groups, _rescale_scheduler_states
 from hvdp.torch.runtime import hvd
+from hvdp.torch.sharded import ShardedOptimizer
 from hvdp.torch.weights import _Batch
 from hvdp.torch.workers import _configure
 
@@ -37,6 +38,10 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
         compression: "none" (default) or "fp16" (gradients sent as float16).
         op: "average" (default), "sum" or "adasum" (the MPI controller only).
         sync_batchnorm: replace the module's BatchNorm layers by hvdp's SyncBatchNorm (default False).
+        shard_optimizer_state: ZeRO-1/2 (default False): prepare()'s sharded optimizer, each rank holding the
+            optimizer state of 1/N of the parameters; gradient_clip_val clips by the global norm (or value)
+            across the shards; checkpoints hold the full state (gathered on rank 0). Not with
+            accumulate_grad_batches > 1 (ConfigError).
         seed: the seed of the training data's epoch order (default: PL_GLOBAL_SEED, which seed_everything
             sets, else 0); the same on every rank.
         accelerator, checkpoint_io, precision_plugin: as for Lightning's other strategies (the Trainer fills
@@ -44,20 +49,22 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
 
     Raises:
         ConfigError: configure_optimizers returned more than one optimizer; a training loader with its own
-            batch_sampler (hvdp splits by batch_size); prepare()'s and shard()'s own checks.
+            batch_sampler (hvdp splits by batch_size); shard_optimizer_state=True with accumulate_grad_batches
+            > 1; prepare()'s and shard()'s own checks.
     """
 
     strategy_name = "hvdp"
 
     def __init__(self, *, lr_scaling: str = "linear", warmup_steps: int = 0, compression: str = "none",
-                 op: str = "average", sync_batchnorm: bool = False, seed: int | None = None,
-                 accelerator=None, checkpoint_io=None, precision_plugin=None):
+                 op: str = "average", sync_batchnorm: bool = False, shard_optimizer_state: bool = False,
+                 seed: int | None = None, accelerator=None, checkpoint_io=None, precision_plugin=None):
         self._world = _ht.init()
         super().__init__(accelerator=accelerator, parallel_devices=[_ht.device()],
                          cluster_environment=HorovodEnvironment(), checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._prepare_kwargs = dict(lr_scaling=lr_scaling, warmup_steps=warmup_steps, compression=compression,
-                                    op=op, sync_batchnorm=sync_batchnorm)
+                                    op=op, sync_batchnorm=sync_batchnorm,
+                                    shard_optimizer_state=shard_optimizer_state)
         self._seed = seed
         self._train_sampler: _EpochSampler | None = None
         self._raw: torch.optim.Optimizer | None = None  # the optimizer configure_optimizers built, before prepare()
@@ -101,6 +108,12 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
         if not self.optimizers:
             _ht.broadcast(self.lightning_module)
             return
+        if self._prepare_kwargs["shard_optimizer_state"] and trainer.accumulate_grad_batches > 1:
+            # post_backward hands each pass's gradients to the shards, and the next pass's would replace them
+            raise ConfigError(f"strategy='hvdp' with shard_optimizer_state=True steps after every backward pass, and "
+                              f"the Trainer has accumulate_grad_batches={trainer.accumulate_grad_batches}: pass "
+                              f"accumulate_grad_batches=1 (a per-rank batch that many times larger gives the same "
+                              f"steps), or shard_optimizer_state=False", rank=self.global_rank)
         raw = self._raw = _unwrapped(self.optimizers[0])
         prepared = _ht.prepare(self.lightning_module, raw, **self._prepare_kwargs)
         schedule = prepared.hvdp_schedule
@@ -125,6 +138,8 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
         for wrapper in self._lightning_optimizers:
             for name in ("zero_grad", "synchronize", "skip_synchronize", "add_param_group"):
                 setattr(wrapper, name, getattr(prepared, name))
+        if isinstance(prepared, ShardedOptimizer):
+            _clip_the_model(self.precision_plugin)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         # Horovod's step() would average the gradients before Lightning's closure computes them: they are
@@ -282,3 +297,23 @@ def _unwrapped(optimizer):
     while hasattr(optimizer, "_optimizer") or isinstance(optimizer, _StepAfterClosure):
         optimizer = optimizer.optimizer if isinstance(optimizer, _StepAfterClosure) else optimizer._optimizer
     return optimizer
+
+
+def _clip_the_model(precision_plugin) -> None:
+    """Make `precision_plugin`'s gradient clipping (gradient_clip_val) clip a sharded optimizer's gradients by
+    their global norm (or value). Lightning clips main_params(optimizer), the optimizer's parameters: a sharded
+    optimizer's are this rank's flat shards, whose norm is one rank's part of the whole. Given the model's
+    parameters instead, torch's clip_grad_norm_/clip_grad_value_ (guarded by hvdp.torch.sharded) clip the shards
+    by the norm across all of them, as one process clips its gradients. Once per plugin."""
+    if getattr(precision_plugin.main_params, "hvdp_sharded", False):
+        return
+    own = precision_plugin.main_params
+
+    def main_params(optimizer):
+        inner = _unwrapped(optimizer)
+        if isinstance(inner, ShardedOptimizer):
+            return inner._params()
+        return own(optimizer)
+
+    main_params.hvdp_sharded = True
+    precision_plugin.main_params = main_params

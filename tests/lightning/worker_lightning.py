@@ -24,7 +24,9 @@ import torch.nn.functional as F  # noqa: E402
 pl = importlib.import_module(os.environ.get("TEST_LIGHTNING_PACKAGE", "lightning.pytorch"))
 import hvdp.torch as ht  # noqa: E402
 import hvdp.lightning as hl  # noqa: E402
+from hvdp.core.errors import ConfigError  # noqa: E402
 from hvdp.core.sharding import epoch_order  # noqa: E402
+from hvdp.torch.sharded import ShardedOptimizer  # noqa: E402
 from tests.checks import check, main  # noqa: E402
 
 warnings.filterwarnings("ignore")  # Lightning's advice (num_workers, the linear rule with Adam...)
@@ -87,7 +89,8 @@ def trainer(**kwargs) -> pl.Trainer:
     return pl.Trainer(**settings)
 
 
-def reference(module: Net, dataset, *, epochs=2, accumulate=1, clip=None, bf16=False, warmup=0) -> torch.nn.Module:
+def reference(module: Net, dataset, *, epochs=2, accumulate=1, clip=None, clip_value=None, bf16=False,
+              warmup=0) -> torch.nn.Module:
     """One process, batch N*b, rate x N, in hvdp's epoch order: what the N ranks must reproduce. With `warmup`,
     optimizer step t takes the rate x (1 + (N - 1) * min(t, warmup) / warmup) / N (from x 1 to x N)."""
     model = copy.deepcopy(Net(module.optimizer, module.scheduler))
@@ -113,6 +116,8 @@ def reference(module: Net, dataset, *, epochs=2, accumulate=1, clip=None, bf16=F
             if (i + 1) % accumulate == 0 or i == len(chunks) - 1:
                 if clip is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                if clip_value is not None:
+                    torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
                 kept = [g["lr"] for g in opt.param_groups]
                 if warmup:
                     for g in opt.param_groups:
@@ -139,7 +144,7 @@ def same_on_every_rank(module: torch.nn.Module) -> None:
 
 def fit_and_compare(module: Net, *, tol=1e-5, **kwargs) -> torch.utils.data.Dataset:
     dataset = data(n_train())
-    ref_kwargs = {k: kwargs.pop(k) for k in ("accumulate", "clip", "bf16", "warmup") if k in kwargs}
+    ref_kwargs = {k: kwargs.pop(k) for k in ("accumulate", "clip", "clip_value", "bf16", "warmup") if k in kwargs}
     loader = torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True)
     trainer(**kwargs).fit(module, loader)
     same_on_every_rank(module)
@@ -212,6 +217,71 @@ def lightnings_own_distributed_sampler_is_not_one_process(tmp):
     assert dw > 1e-4, f"max |dw| {dw}: the padded sampler matched one process"
 
 
+def sharded_state_is_split(optimizer, module: torch.nn.Module) -> None:
+    """Each rank holds Adam's moments for its part of the parameters only; together, for all of them."""
+    assert isinstance(optimizer, ShardedOptimizer), type(optimizer)
+    held = sum(v.numel() for state in optimizer.state.values() for k, v in state.items() if k == "exp_avg")
+    counts = hvd.allgather_object(held, name="sharded.held")
+    total = sum(p.numel() for p in module.parameters())
+    assert sum(counts) == total and (world.size == 1 or max(counts) < total), (counts, total)
+
+
+@check
+def sharded_adam_with_clipping_and_resume_equals_one_process(tmp):
+    # HorovodStrategy(shard_optimizer_state=True): Adam's state split over the ranks, gradient_clip_val by the
+    # norm across the shards, a checkpoint of the full state written after epoch 1 and resumed for epoch 2
+    dataset = data(n_train())
+    d = Path(tmp) / "sharded"
+    clip = 0.05
+
+    def strategy():
+        return hl.HorovodStrategy(seed=SEED, shard_optimizer_state=True)
+
+    t = trainer(strategy=strategy(), max_epochs=1, gradient_clip_val=clip, enable_checkpointing=True,
+                callbacks=[pl.callbacks.ModelCheckpoint(dirpath=d, save_last=True, save_top_k=0)])
+    first = Net("adam", scheduler=True)
+    t.fit(first, torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True))
+    sharded_state_is_split(trainer_optimizer(t), first)
+    saved = torch.load(d / "last.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    assert sorted(saved) == list(range(len(list(first.parameters())))), sorted(saved)  # the full state
+    resumed = Net("adam", scheduler=True)
+    t = trainer(strategy=strategy(), max_epochs=2, gradient_clip_val=clip)
+    t.fit(resumed, torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True), ckpt_path=d / "last.ckpt")
+    sharded_state_is_split(trainer_optimizer(t), resumed)
+    same_on_every_rank(resumed)
+    dw = max_dw(resumed, reference(resumed, dataset, clip=clip))
+    unclipped = max_dw(resumed, reference(resumed, dataset))
+    print(f"[rank {world.rank}] sharded Adam, clipped, resumed: max |dw| {dw:.3g} (unclipped one process: "
+          f"{unclipped:.3g})", file=sys.stderr)
+    assert dw < 1e-5, dw
+    assert unclipped > 1e-3, unclipped  # the clipping mattered
+
+
+@check
+def sharded_clips_by_value_as_one_process(tmp):
+    module = Net("sgd")
+    dataset = fit_and_compare(module, strategy=hl.HorovodStrategy(seed=SEED, shard_optimizer_state=True),
+                              gradient_clip_val=0.02, gradient_clip_algorithm="value", clip_value=0.02)
+    assert max_dw(module, reference(module, dataset)) > 1e-2  # the clipping mattered
+
+
+@check
+def sharded_with_accumulation_raises_on_every_rank(tmp):
+    try:
+        trainer(strategy=hl.HorovodStrategy(seed=SEED, shard_optimizer_state=True), accumulate_grad_batches=2).fit(
+            Net("sgd"), torch.utils.data.DataLoader(data(n_train()), batch_size=B, shuffle=True))
+    except ConfigError as e:
+        assert "accumulate_grad_batches=2" in str(e) and "accumulate_grad_batches=1" in str(e), str(e)
+    else:
+        raise AssertionError("no ConfigError")
+
+
+def trainer_optimizer(t: pl.Trainer):
+    """The optimizer strategy='hvdp' prepared, inside Lightning's wrappers."""
+    from hvdp.lightning.trainer import _unwrapped
+    return _unwrapped(t.strategy.optimizers[0])
+
+
 class Manual(Net):
     """The same training with Lightning's manual optimization (one optimizer)."""
 
@@ -232,12 +302,12 @@ def manual_optimization_equals_one_process(tmp):
     fit_and_compare(Manual())
 
 
-@check
-def fabric_loop_with_clipping_equals_one_process(tmp):
-    # Fabric(strategy="hvdp"): the user's own loop, with fabric.backward and fabric.clip_gradients
+def fabric_loop(strategy, clip: float) -> None:
+    """The user's own loop under Fabric(strategy=...), with fabric.backward and fabric.clip_gradients, against
+    one process with the global batch."""
     fabric_module = importlib.import_module("lightning.fabric" if pl.__name__ == "lightning.pytorch"
                                             else "lightning_fabric")
-    fabric = fabric_module.Fabric(strategy=hl.HorovodFabricStrategy(seed=SEED), accelerator="cpu")
+    fabric = fabric_module.Fabric(strategy=strategy, accelerator="cpu")
     fabric.launch()  # Fabric's own call; the launcher already started the processes
     dataset = data(n_train())
     module = Net("sgd")
@@ -247,14 +317,27 @@ def fabric_loop_with_clipping_equals_one_process(tmp):
         for x, y in loader:
             opt.zero_grad()
             fabric.backward(F.mse_loss(model(x), y))
-            fabric.clip_gradients(model, opt, max_norm=0.5)
+            fabric.clip_gradients(model, opt, max_norm=clip)
             opt.step()
     same_on_every_rank(module)
-    dw = max_dw(module, reference(module, dataset, clip=0.5))
-    print(f"[rank {world.rank}] Fabric: max |dw| {dw:.3g}", file=sys.stderr)
+    dw = max_dw(module, reference(module, dataset, clip=clip))
+    from hvdp.lightning.fabric import _prepared_of
+    print(f"[rank {world.rank}] Fabric, {type(_prepared_of(opt)).__name__}: max |dw| {dw:.3g}", file=sys.stderr)
     assert dw < 1e-5, dw
+    assert max_dw(module, reference(module, dataset)) > 1e-2  # the clipping mattered
     total = fabric.all_reduce(torch.tensor(float(world.rank + 1)), reduce_op="sum")
     assert float(total) == world.size * (world.size + 1) / 2
+
+
+@check
+def fabric_loop_with_clipping_equals_one_process(tmp):
+    fabric_loop(hl.HorovodFabricStrategy(seed=SEED), clip=0.5)
+
+
+@check
+def fabric_sharded_with_clipping_equals_one_process(tmp):
+    # shard_optimizer_state=True: fabric.clip_gradients clips by the norm across the ranks' shards
+    fabric_loop(hl.HorovodFabricStrategy(seed=SEED, shard_optimizer_state=True), clip=0.5)
 
 
 # ------------------------------------------------------------------------------------------ evaluation
