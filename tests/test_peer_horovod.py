@@ -10,7 +10,11 @@ plus tests/peer_keras3.py: the Keras-3 ports of the deselected Keras tests, run 
 
 `make test` runs what fits its time budget (docs/support.md): at np=2 under Gloo and MPI, the Keras suite and
 the ports whole, and the torch and TensorFlow suites' tests of the API a training script calls (SUITES below).
-`make test-horovod` (HVDP_PEER_FULL=1) runs every suite whole, at np=2 and np=3.
+`make test-horovod` (HVDP_PEER_FULL=1) runs every suite whole, at np=2 and np=3. `make soak-horovod`
+(HVDP_PEER_ROUNDS=R, HVDP_PEER_NP=2) runs every suite whole R times in a row under Gloo and MPI at np=2, each
+run bounded by HVDP_PEER_TIMEOUT seconds (a hang fails its run instead of the soak), and appends one JSON line
+per run (suite, launcher, round, seconds, outcome, summaries or the failed tests) to HVDP_PEER_LOG: the figures
+of docs/support.md.
 """
 
 from __future__ import annotations
@@ -19,17 +23,23 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
+from hvdp.tools import rotation
 from tests.launch import ROOT, env, launcher_cmd, rank_lines
 
 PEER = Path(os.environ.get("HVDP_PEER_DIR", ROOT.parent / "shared" / "peer" / "horovod-0.28.1"))
 DESELECT = Path(__file__).with_name("peer_deselect.txt")
 PORTS = Path(__file__).with_name("peer_keras3.py")
 FULL = os.environ.get("HVDP_PEER_FULL") == "1"
+ROUNDS = int(os.environ.get("HVDP_PEER_ROUNDS", "1"))
+TIMEOUT = float(os.environ.get("HVDP_PEER_TIMEOUT", "1800"))
+LOG = os.environ.get("HVDP_PEER_LOG")
 
 # The launches: (files run by one pytest, the -k expression `make test` runs them with; None: whole). The torch
 # and TensorFlow files hold 115 and 143 tests, most of them each collective in every dtype and its error cases
@@ -97,10 +107,23 @@ def run_suite(files: list[str], launcher: str, np: int, tmp: Path, select: str |
         cmd += ["-k", select]
     # Not tests.launch's PYTHONPATH: its examples/common.py would shadow the peer files' utils/common.py.
     run_env = env(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=parallel, env=run_env)
-    out = proc.stdout + proc.stderr
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=parallel,
+                            env=run_env)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        for pid in reversed(rotation.descendants([proc.pid])):  # the ranks too, not only horovodrun
+            rotation.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        _log(files, launcher, np, time.monotonic() - start, "hang", {})
+        pytest.fail(f"{files} under {launcher} at np={np} did not end in {TIMEOUT:.0f} s (a hang)\n{out[-3000:]}")
     summaries = {rank: m.group(1) for rank, line in rank_lines(out) if (m := SUMMARY.match(line))}
     failures = [line for line in out.splitlines() if re.search(r"<stdout>:(SUB)?(FAILED|ERROR) ", line)]
+    ok = proc.returncode == 0 and sorted(summaries) == list(range(np)) and all(
+        "passed" in v and not re.search(r"\d+ (failed|errors?)\b", v) for v in summaries.values())
+    _log(files, launcher, np, time.monotonic() - start, "pass" if ok else "fail", summaries,
+         sorted({re.sub(r"\x1b\[[0-9;]*m", "", f).split(" - ")[0].split(":", 1)[-1] for f in failures}))
     errors = [line for line in out.splitlines() if re.search(r"<std(out|err)>:(E |.*(Error|Fatal|Abort))", line)]
     assert proc.returncode == 0 and sorted(summaries) == list(range(np)), \
         f"{files} under {launcher} at np={np} (exit {proc.returncode}): {summaries}\n" + "\n".join(failures) + \
@@ -110,11 +133,42 @@ def run_suite(files: list[str], launcher: str, np: int, tmp: Path, select: str |
     return summaries
 
 
-CASES = [(suite, launcher, n) for n in ((2, 3) if FULL else (2,)) for suite in SUITES for launcher in ("gloo", "mpi")]
+def _log(files, launcher, np, seconds, outcome, summaries, failed=()) -> None:
+    """One soak run's line in HVDP_PEER_LOG (when set)."""
+    if LOG:
+        with open(LOG, "a") as f:
+            f.write(json.dumps({"files": files, "launcher": launcher, "np": np, "seconds": round(seconds, 1),
+                                "outcome": outcome, "summaries": summaries, "failed": list(failed)}) + "\n")
 
 
-@pytest.mark.parametrize("suite,launcher,np", CASES, ids=[f"{s}-{l}-np{n}" for s, l, n in CASES])
-def test_peer_suite(suite, launcher, np, tmp_path):
+def summarize(log: str) -> str:
+    """`make soak-horovod`'s table from HVDP_PEER_LOG: per suite and launcher, runs, passed, hangs, the median
+    seconds, and each failed test with its count."""
+    runs = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
+    rows = ["| suite | launcher | np | runs | passed | failed | hangs | median s | failed tests (runs) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted({(" ".join(r["files"]), r["launcher"], r["np"]) for r in runs}):
+        mine = [r for r in runs if (" ".join(r["files"]), r["launcher"], r["np"]) == key]
+        counts: dict[str, int] = {}
+        for r in mine:
+            for name in r["failed"]:
+                counts[name] = counts.get(name, 0) + 1
+        outcome = [r["outcome"] for r in mine]
+        seconds = sorted(r["seconds"] for r in mine)
+        rows.append(f"| {key[0]} | {key[1]} | {key[2]} | {len(mine)} | {outcome.count('pass')} | "
+                    f"{outcome.count('fail')} | {outcome.count('hang')} | {seconds[len(seconds) // 2]:.0f} | "
+                    + (", ".join(f"{n} ({c})" for n, c in sorted(counts.items())) or "none") + " |")
+    return "\n".join(rows)
+
+
+NPS = tuple(int(n) for n in os.environ["HVDP_PEER_NP"].split(",")) if os.environ.get("HVDP_PEER_NP") else \
+    ((2, 3) if FULL else (2,))
+CASES = [(suite, launcher, n, r) for r in range(ROUNDS) for n in NPS for suite in SUITES for launcher in ("gloo", "mpi")]
+
+
+@pytest.mark.parametrize("suite,launcher,np,round_", CASES,
+                         ids=[f"{s}-{l}-np{n}" + (f"-round{r}" if ROUNDS > 1 else "") for s, l, n, r in CASES])
+def test_peer_suite(suite, launcher, np, round_, tmp_path):
     files, select = SUITES[suite]
     summaries = run_suite(files, launcher, np, tmp_path, select)
     print(f"{suite} {launcher} np={np}: {summaries[0]}")
