@@ -103,6 +103,7 @@ class RankZero(keras.callbacks.Callback):
     def __init__(self, callback):
         super().__init__()
         self.callback = callback
+        self.began = False  # its on_train_begin ran in this process (on rank 0), no on_train_end since
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             callback._save_model = lambda: _backup_save(callback)
 
@@ -122,6 +123,8 @@ class RankZero(keras.callbacks.Callback):
         if self._root():
             with _AtomicSaves(self.model):
                 getattr(self.callback, hook)(*args, **kwargs)
+            if hook in ("on_train_begin", "on_train_end"):
+                self.began = hook == "on_train_begin"
 
     def on_train_begin(self, logs=None):
         """Rank 0's on_train_begin; a BackupAndRestore's restore then broadcast from rank 0 (collective)."""
@@ -133,6 +136,7 @@ class RankZero(keras.callbacks.Callback):
         if self._root():
             before = self.model._initial_epoch
             self.callback.on_train_begin(logs)
+            self.began = True
             restored = self.model._initial_epoch if self.model._initial_epoch != before else None
         restored = horovod.broadcast_object(restored, root_rank=0, name="hvdp.backup_and_restore")
         if restored is not None:

@@ -19,6 +19,7 @@ hvdp.core.scaling (via hvdp.tensorflow.optimizer's _rescale_learning_rate), as o
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from typing import Any, Callable
@@ -103,6 +104,9 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
                               "leave it out of the extras", rank=_rank())
         self.model, self.data = model, data
         self._continued: dict = {}  # fit's callbacks by identity, kept across fit's epochs (_Continued)
+        self._callbacks: list[_Continued] = []  # those of the running (or last) fit call, in its order
+        self._resumed: list | None = None  # their committed state, for the next fit call after a reset
+        self._interrupted = False  # a fit call raised; a reset (reset()) continues its callbacks, else they end
         self.position = (0, 0)  # (epoch, samples of its order trained on): where training is
         _build_optimizer(optimizer, model)  # its variables exist before the first snapshot
         self._snapshot = self._take()
@@ -118,10 +122,15 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         optimizer = self.model.optimizer
         return {"weights": [np.array(v.numpy()) for v in self.model.weights],
                 "optimizer": [np.array(v.numpy()) for v in optimizer.variables],
-                "multiplier": optimizer.multiplier, "position": self.position}
+                "multiplier": optimizer.multiplier, "position": self.position, "callbacks": self._callback_state()}
+
+    def _callback_state(self) -> list:
+        """The state of fit's callbacks (_Continued.state), the one a reset brought back while no fit took it."""
+        return self._resumed if self._resumed is not None else [c.state() for c in self._callbacks]
 
     def save(self) -> None:
-        """Snapshot weights, optimizer variables and data position in memory (state.commit() calls it)."""
+        """Snapshot weights, optimizer variables, data position and the state of fit's callbacks in memory
+        (state.commit() calls it)."""
         self._snapshot = self._take()
         super().save()
 
@@ -134,6 +143,7 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
             v.assign(value)
         optimizer.multiplier = snap["multiplier"]  # the restored rate is scaled for the snapshot's world
         self.position = snap["position"]
+        self._resumed = copy.deepcopy(snap["callbacks"])  # fit's next call puts them back into its callbacks
         super().restore()
 
     def reset(self) -> None:
@@ -145,6 +155,7 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         _rescale_learning_rate(optimizer.inner_optimizer, optimizer.multiplier, **scaling)
         optimizer.multiplier = _multiplier(scaling)
         self.model.train_function = self.model.test_function = self.model.predict_function = None
+        self._interrupted = False  # the fit call that raised continues after the reset, callbacks and all
 
     def sync(self) -> None:
         """Broadcast weights, optimizer variables (rank 0's rate, already scaled for this world), data position
@@ -153,6 +164,8 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         _keras_backend.broadcast(self.model, optimizer)
         optimizer.multiplier = _multiplier(optimizer._scaling())
         self.position = tuple(hvd.broadcast_object(self.position, root_rank=0, name="hvdp.elastic.position"))
+        # rank 0's callbacks' state: what a survivor rolled back to, and all a joining rank has of them
+        self._resumed = hvd.broadcast_object(self._callback_state(), root_rank=0, name="hvdp.elastic.callbacks")
         super().sync()
         self._snapshot = self._take()  # what a failure before the next commit rolls back to
 
@@ -207,8 +220,12 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
 
         `callbacks` see one fit, not one per epoch (_Continued): their on_train_begin runs at the first epoch of
         this call, their on_train_end after the last, so EarlyStopping's patience, ReduceLROnPlateau's plateau
-        and CSVLogger's file span the epochs. A fit that raises (a reset) ends them as a Keras fit that raises
-        does (no on_train_end): the call elastic_run makes after the reset begins them anew. A `stop_training` (EarlyStopping,
+        and CSVLogger's file span the epochs. Their state is committed with the step (each callback's plain
+        attributes: numbers, strings, arrays and lists or dicts of them, such as EarlyStopping's wait and best):
+        after a reset the call elastic_run makes continues them from the last commit, as rank 0 had it (a rank
+        that joins gets it by broadcast, after its own on_train_begin); pass the same callbacks in the same order.
+        A fit that raises anything else ends them as a Keras fit that raises does (no on_train_end): the next
+        call begins them anew. A `stop_training` (EarlyStopping,
         TerminateOnNaN, any callback on any rank: the ranks agree, hvdp/_keras_stop.py) ends this call after
         that epoch. Keras's file writers among them run on rank 0 only (hvdp/_keras_rank0.py).
         """
@@ -222,6 +239,11 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
                               f"state's position); leave them out", rank=_rank())
         fit_kwargs.setdefault("shuffle", False)  # the order is shard()'s; Keras warns about shuffle=True on a Dataset
         continued = [self._continue(c) for c in callbacks or []]
+        if self._interrupted:  # the last call raised and no reset followed: its callbacks ended, as Keras's would
+            for c in self._callbacks:
+                c.abandon()
+        self._resume(continued)
+        self._callbacks, self._interrupted = continued, False
         histories = []
         self.model.stop_training = False
         try:
@@ -232,24 +254,94 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
                 histories.append(self.model.fit(
                     data, initial_epoch=self.epoch, epochs=self.epoch + 1, **fit_kwargs,
                     callbacks=[setup, *continued, _RankZeroProgbar(), _Commit(self, self.epoch, offset, commit_every)]))
-        except BaseException:  # a fit that raised is over, as Keras's own: the next call begins them anew
-            for c in continued:
-                c.abandon()
+        except BaseException:  # a reset (reset() clears it: the next call continues them) or an error (they end)
+            self._interrupted = True
             raise
         for c in continued:  # their on_train_end, once, after the last epoch (or the agreed stop)
             c.end()
+        if self._snapshot["position"] == self.position:  # committed at the last epoch's end: a reset now begins anew
+            self._snapshot = {**self._snapshot, "callbacks": [c.state() for c in continued]}
         return histories
+
+    def _resume(self, continued: list) -> None:
+        """Give this fit call's callbacks the state a reset brought back (restore() or sync()), if one did: the
+        committed state of the callbacks of the call that was running, by their order in the list."""
+        saved, self._resumed = self._resumed, None
+        if saved is None:
+            return
+        if any(s["began"] for s in saved) and [s["type"] for s in saved] != [_Continued.kind(c) for c in continued]:
+            raise ConfigError(f"ElasticState.fit after a reset takes the callbacks it had (their state was committed "
+                              f"with the step): {[s['type'] for s in saved]}, got "
+                              f"{[_Continued.kind(c) for c in continued]}; pass the same callbacks in the same order",
+                              rank=_rank())
+        for c, s in zip(continued, saved if any(s["began"] for s in saved) else [None] * len(continued)):
+            c.resume(s)
+
+
+_PLAIN = (type(None), bool, int, float, str, np.generic, np.ndarray)
+
+
+def _plain(value) -> bool:
+    """Whether `value` is plain data (numbers, strings, arrays, and lists, tuples or dicts of them): what a
+    callback's state is made of, as opposed to its model, files or other objects."""
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return isinstance(value, _PLAIN)
 
 
 class _Continued(keras.callbacks.Callback):
     """A user's callback across ElasticState.fit's one model.fit per epoch, as it would see one fit: its
     on_train_begin at the first fit only (until end()), its on_train_end deferred to end(), every other hook
-    passed on as it comes. `hvdp_inner` is the callback (hvdp.keras's checks look through to it)."""
+    passed on as it comes. `hvdp_inner` is the callback (hvdp.keras's checks look through to it). Across a
+    reset its state (state(), committed with the step) is put back by resume()."""
 
     def __init__(self, callback):
         super().__init__()
         self.hvdp_inner = callback
-        self._began, self._logs = False, None
+        self._began, self._logs, self._restore = False, None, None
+
+    @property
+    def user(self):
+        """The user's callback (inside RankZero for Keras's file writers)."""
+        inner = self.hvdp_inner
+        return inner.callback if isinstance(inner, _keras_rank0.RankZero) else inner
+
+    @staticmethod
+    def kind(continued: _Continued) -> str:
+        return type(continued.user).__name__
+
+    def state(self) -> dict:
+        """What a commit keeps of the callback: whether it began, and its plain attributes (copies)."""
+        if not self._began:
+            return {"type": self.kind(self), "began": False, "attrs": None}
+        user = self.user
+        attrs = {k: copy.deepcopy(v) for k, v in vars(user).items() if k not in ("params", "_params") and _plain(v)}
+        if isinstance(user, keras.callbacks.CSVLogger) and "append_header" in attrs:
+            attrs["append_header"] = user.append_header and user.writer is None  # no second header
+        return {"type": self.kind(self), "began": True, "attrs": attrs}
+
+    def resume(self, saved: dict | None) -> None:
+        """Continue from `saved` (a state(), the last commit's): its attributes back in the callback now where it
+        began in this process, else after its on_train_begin (a joining rank, a new rank 0 for a file writer);
+        None or a state that had not begun: it begins anew."""
+        if saved is None or not saved["began"]:
+            self._began, self._restore = False, None
+            return
+        inner = self.hvdp_inner
+        if isinstance(inner, _keras_rank0.RankZero) and inner._root() and not inner.began:
+            self._began = False  # rank 0 now, its writer never began here: it begins, appending to rank 0's file
+            if isinstance(inner.callback, keras.callbacks.CSVLogger):
+                inner.callback.append = True
+        self._restore = saved["attrs"]
+        if self._began:
+            self._put_back()
+
+    def _put_back(self) -> None:
+        for k, v in (self._restore or {}).items():
+            setattr(self.user, k, copy.deepcopy(v))
+        self._restore = None
 
     def set_params(self, params):
         super().set_params(params)
@@ -263,13 +355,14 @@ class _Continued(keras.callbacks.Callback):
         if not self._began:
             self._began = True
             self.hvdp_inner.on_train_begin(logs)
+            self._put_back()
 
     def on_train_end(self, logs=None):
         self._logs = logs
 
     def abandon(self) -> None:
         """Forget that the callback began (a fit raised out of ElasticState.fit: no on_train_end, as Keras)."""
-        self._began = False
+        self._began, self._restore = False, None
 
     def end(self) -> None:
         """The callback's on_train_end (the fits this ElasticState.fit made are over); the next call begins anew."""
