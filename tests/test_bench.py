@@ -1,6 +1,7 @@
 """`hvdp bench --quick` runs end to end and writes the JSON other tools read and a PNG. No speed thresholds:
 the machines are shared and noisy; numbers are for docs/benchmarks.md, not for pass/fail."""
 
+import ast
 import json
 import statistics
 import subprocess
@@ -233,3 +234,16 @@ def test_a_memory_cap_probe_past_its_limit_leaves_no_process_behind(tmp_path):
 
     assert len(started) >= 2 and not [p for p in started if running(p)], started
     assert all(r["rc"] == "timeout" and not r["fits"] for runs in result["runs"].values() for r in runs), result
+
+
+def test_every_torch_implementation_runs_a_worker_impl_with_its_part_switched():
+    # The full bench's hvdp-timeline row started the worker with --impl hvdp-timeline, which it refuses: the
+    # whole non-quick run died at its first rotation (issue 52's timeline cost was never measured).
+    from hvdp.tools import bench
+    source = (ROOT / "benchmarks" / "train_worker.py").read_text()
+    accepted = set(ast.literal_eval(source.split('p.add_argument("--impl", choices=', 1)[1].split("]", 1)[0] + "]"))
+    names = [*bench.FRAMEWORKS["torch"]["impls"], *bench.EXTRA_TORCH, "horovod-autotune"]
+    assert {name: bench._impl_run(name)[0] in accepted for name in names} == {name: True for name in names}
+    assert bench._impl_run("hvdp-no-accounting")[2] == {"HVDP_STEP_ACCOUNTING": "0"}
+    assert bench._impl_run("hvdp-no-watchdog")[2] == {"HVDP_WATCHDOG": "0"}
+    assert bench._impl_run("hvdp-timeline")[:2] == ("hvdp", False)  # _train sets HOROVOD_TIMELINE for its job

@@ -177,6 +177,10 @@ def _copy_worker(nbytes: int, reps: int, start, results) -> None:
     results.put(_copy_rate(nbytes, reps, start))
 
 
+# Without --quick, the torch training also runs hvdp with one part off or on, each measuring that part's cost.
+EXTRA_TORCH = ("hvdp-no-watchdog", "hvdp-no-prompt", "hvdp-timeline", "hvdp-no-accounting")
+
+
 def _impl_run(impl: str) -> tuple[str, bool, dict]:
     """An implementation's name -> (the worker's --impl, with hvdp's runtime defaults?, extra environment)."""
     if impl.endswith("-tuned"):
@@ -189,6 +193,8 @@ def _impl_run(impl: str) -> tuple[str, bool, dict]:
         return "hvdp", False, {"HVDP_STEP_ACCOUNTING": "0"}
     if impl == "hvdp-no-prompt":  # Horovod's cycle timing without fix 13 (docs/internals.md)
         return "hvdp", False, {"HVDP_PROMPT_START": "0"}
+    if impl == "hvdp-timeline":  # what recording Horovod's timeline costs (its file: _train, per job directory)
+        return "hvdp", False, {}
     return impl, False, {}
 
 
@@ -204,7 +210,7 @@ def _train(framework: str, model: str, args, rounds: int, steps: list[str], raw_
     impls = list(spec["impls"] if all_impls else impls)
     if framework == "torch" and all_impls:
         impls += (["horovod-autotune"] if args.autotune else []) + \
-                 ([] if args.quick else ["hvdp-no-watchdog", "hvdp-no-prompt", "hvdp-timeline"])
+                 ([] if args.quick else list(EXTRA_TORCH))
     with tempfile.TemporaryDirectory(prefix="hvdp-bench-turns-") as directory:
         jobs = []
         for impl in impls:
