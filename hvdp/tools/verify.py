@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-FRAMEWORKS = ("torch", "tensorflow", "keras")
+FRAMEWORKS = ("torch", "tensorflow", "keras", "lightning")
 KERAS_BACKENDS = ("tensorflow", "torch")  # hvdp._keras_backend.BACKENDS (not imported here: it imports Keras)
 OPTIMIZERS = ("sgd", "adam", "adamw")
 TOLERANCE = 1e-5
@@ -53,8 +53,10 @@ AMP_SHARDED_OPTIMIZERS = ("sgd",)
 
 def add_arguments(parser) -> None:
     parser.add_argument("--framework", choices=FRAMEWORKS,
-                        help="torch (default), tensorflow or keras; with --zoo, the zoo's cases of that framework "
-                             "only (default: all)")
+                        help="torch (default), tensorflow, keras or lightning (a LightningModule fit by the Trainer "
+                             "on strategy='hvdp'; --model may return a LightningModule); with --zoo, the zoo's cases "
+                             "of that framework only (default: all but lightning; lightning: the torch cases "
+                             "through the Trainer)")
     parser.add_argument("--zoo", action="store_true",
                         help="run the model zoo (text CNN, GRU, transformer, mixture-of-experts, fine-tuning, "
                              "SyncBatchNorm, Adafactor, accumulation; torch on both paths, and Keras's cases): one "
@@ -106,7 +108,7 @@ def add_arguments(parser) -> None:
                              ", ".join(f"{k} {v:g}" for k, v in AMP_TOLERANCE.items()) + ")")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", action="store_true", help=argparse_suppress())
-    parser.add_argument("--zoo-part", choices=("torch", "keras"), default="torch", help=argparse_suppress())
+    parser.add_argument("--zoo-part", choices=("torch", "keras", "lightning"), default="torch", help=argparse_suppress())
 
 
 def argparse_suppress():
@@ -128,7 +130,7 @@ def run(args) -> int:
     if args.stream is not None and args.stream < 0:
         print(f"hvdp verify: --stream must be >= 0, got {args.stream}", file=sys.stderr)
         return 2
-    if args.sharded and args.framework != "torch":
+    if args.sharded and args.framework not in ("torch", "lightning"):
         print(f"hvdp verify: --sharded is for --framework torch only, got --framework {args.framework}: sharded "
               f"optimizer state (prepare(..., shard_optimizer_state=True)) exists in hvdp.torch only; "
               f"hvdp.tensorflow and hvdp.keras do not offer it", file=sys.stderr)
@@ -137,7 +139,8 @@ def run(args) -> int:
         print(f"hvdp verify: --clip must be > 0, got {args.clip}", file=sys.stderr)
         return 2
     for name in ("compile", "amp", "stream", "device", "clip", "data"):
-        if getattr(args, name) not in (None, False) and args.framework != "torch":
+        if getattr(args, name) not in (None, False) and args.framework != "torch" and not (
+                args.framework == "lightning" and name == "clip"):
             print(f"hvdp verify: --{name} is for --framework torch only", file=sys.stderr)
             return 2
     if args.keras_backend is not None and args.framework != "keras":
@@ -217,7 +220,7 @@ def load_factory(spec: str, flag: str = "--model"):
 def _deterministic(factory, framework: str, changed: list):
     """`factory` whose models have their random layers made deterministic; `changed` gets what was changed."""
     from hvdp.tools import equivalence
-    calm = equivalence.deterministic_torch if framework == "torch" else equivalence.deterministic_keras
+    calm = equivalence.deterministic_torch if framework in ("torch", "lightning") else equivalence.deterministic_keras
 
     def build():
         model = factory()
@@ -242,6 +245,8 @@ def _worker(args) -> int:
     if args.framework == "torch":
         common.update(compile=args.compile, amp=args.amp, stream=args.stream, clip=args.clip,
                       data=load_factory(args.data, "--data") if args.data else None)
+    if args.framework == "lightning":
+        return _lightning_worker(args, factory, shape, changed)
     if args.sharded:
         return _sharded_worker(args, equivalence.sharded(
             optimizers=_sharded_optimizers(args), groups=2, **common), changed)
@@ -253,6 +258,27 @@ def _worker(args) -> int:
         _print_deterministic(changed)
         print(f"{_setup(args, result, optimizer)}: max |dw| = {result['max_abs_diff']:.3g} (tolerance "
               f"{args.tolerance:g}); replicas identical: {result['replicas_identical']} -> {verdict}")
+        causes = [] if ok else _print_failure(result)
+        print("verify: " + json.dumps({**result, "tolerance": args.tolerance, "ok": ok,
+                                       "deterministic_layers": changed, "causes": causes}, sort_keys=True),
+              flush=True)
+    return 0 if ok else 1
+
+
+def _lightning_worker(args, factory, shape: tuple, changed: list[str]) -> int:
+    """--framework lightning: the Trainer on strategy='hvdp' (HorovodStrategy(shard_optimizer_state=--sharded),
+    gradient_clip_val=--clip) against one plain process; one line and one JSON line, as the torch experiment."""
+    from hvdp.lightning import verify as lightning_verify
+    optimizer = args.optimizer or "sgd"
+    result = lightning_verify.run(optimizer=optimizer, steps=args.steps, batch_size=args.batch_size,
+                                  accumulate=args.accumulate, lr=args.lr, seed=args.seed, factory=factory,
+                                  input_shape=shape, leftover=args.leftover, shard=args.sharded, clip=args.clip)
+    ok = result["max_abs_diff"] <= args.tolerance and result["replicas_identical"]
+    if result["rank"] == 0:
+        _print_deterministic(changed)
+        print(f"{_setup(args, result, optimizer)}, Lightning's Trainer: max |dw| = {result['max_abs_diff']:.3g} "
+              f"(tolerance {args.tolerance:g}); replicas identical: {result['replicas_identical']} -> "
+              f"{'PASS' if ok else 'FAIL'}")
         causes = [] if ok else _print_failure(result)
         print("verify: " + json.dumps({**result, "tolerance": args.tolerance, "ok": ok,
                                        "deterministic_layers": changed, "causes": causes}, sort_keys=True),

@@ -287,6 +287,12 @@ def torch_cases() -> list[Case]:
     ]
 
 
+def lightning_paths(case: Case) -> tuple[str, ...]:
+    """The paths a torch case runs on through Lightning's Trainer (`--framework lightning`): its own, less the
+    sharded one with accumulation (HorovodStrategy(shard_optimizer_state=True) refuses accumulate_grad_batches > 1)."""
+    return tuple(p for p in case.paths if not (p == "sharded" and case.accumulate > 1))
+
+
 def expected_records(framework: str | None = None, keras_backend: str | None = None) -> list[tuple[str, str, str]]:
     """(framework, path, name) of every case line `hvdp verify --zoo` must print here."""
     return [record for part, backend in launches(framework, keras_backend) for record in _expected(part, backend)]
@@ -298,6 +304,9 @@ def worker(part: str, steps: int = STEPS, batch_size: int = BATCH_SIZE) -> int:
     the parent). Rank 0 prints one RECORD per case as it finishes. Exit status 0 (the parent judges)."""
     if part == "torch":
         return _torch_worker(steps, batch_size)
+    if part == "lightning":
+        from hvdp.lightning.verify import zoo_worker
+        return zoo_worker(steps, batch_size)
     return _keras_worker(steps, batch_size)
 
 
@@ -415,6 +424,8 @@ def launches(framework: str | None, keras_backend: str | None) -> list[tuple[str
     out = []
     if framework in (None, "torch"):
         out.append(("torch", None))
+    if framework == "lightning":  # the torch cases through Lightning's Trainer: asked for by name only
+        out.append(("lightning", None))
     if framework in (None, "keras", "tensorflow") and keras_zoo_present():
         backends = (keras_backend,) if keras_backend else ("tensorflow",) if framework == "tensorflow" else \
             ("tensorflow", "torch")
@@ -438,7 +449,7 @@ def run(args) -> int:
         env = dict(os.environ)
         if backend:
             env["KERAS_BACKEND"] = backend
-        label = "torch" if part == "torch" else f"keras on {backend}"
+        label = part if part in ("torch", "lightning") else f"keras on {backend}"
         print(f"hvdp verify --zoo ({label}): " + " ".join(cmd), flush=True)
         started, mine, tail = time.monotonic(), [], []
         env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "120")  # a rank left in a collective: end the job
@@ -495,6 +506,8 @@ def _expected(part: str, backend: str | None) -> list[tuple[str, str, str]]:
     """The (framework, path, name) records a launch must print; for Keras whatever zoo_keras says applies."""
     if part == "torch":
         return [("torch", p, c.name) for c in torch_cases() for p in c.paths]
+    if part == "lightning":
+        return [("lightning", p, c.name) for c in torch_cases() for p in lightning_paths(c)]
     return [(framework, backend, name) for name, (framework, backends) in keras_cases().items() if backend in backends]
 
 

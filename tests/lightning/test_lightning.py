@@ -1,25 +1,34 @@
 """hvdp.lightning under real launchers: one launch per controller runs every check in worker_lightning.py."""
 
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from hvdp.core.sharding import eval_batches
 from tests.checks import assert_passed, check_names
-from tests.launch import result_line, run, run_checks
+from tests.launch import ROOT, env, launcher_cmd, result_line, run, run_checks
 
 WORKER = Path(__file__).with_name("worker_lightning.py")
 
 
-TMP = {}  # the launch's folder, by launcher: its checkpoints for test_resume_on_one_process
+TMP = {}  # the launch's folder, by (launcher, np): its checkpoints for test_resume_on_one_process
+
+# np=2 under both controllers; np=3 (a world that splits the batches and the data otherwise: the last global batch
+# 3+3+3, the resize check's 3 steps an epoch) under Gloo, as the zoo's np=3 world (suite budget: ~40 s a launch)
+WORLDS = [("mpi", 2), ("gloo", 2), ("gloo", 3)]
 
 
-@pytest.fixture(scope="module", params=["mpi", "gloo"])
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"{launcher}-np{np}" for launcher, np in WORLDS])
 def results(request, tmp_path_factory):
-    TMP[request.param] = tmp_path_factory.mktemp(request.param)
-    return request.param, run_checks(request.param, WORKER, TMP[request.param], timeout=300)
+    launcher, np = request.param
+    TMP[request.param] = tmp_path_factory.mktemp(f"{launcher}{np}")
+    return f"{launcher} np={np}", run_checks(launcher, WORKER, TMP[request.param], np=np, timeout=300)
 
 
 @pytest.mark.parametrize("name", check_names(WORKER))
@@ -27,13 +36,14 @@ def test_lightning_check(results, name):
     assert_passed(results, name)
 
 
-def test_resume_on_one_process_of_a_two_rank_checkpoint(results):
-    # the checkpoint the gloo launch wrote (check resumes_at_another_world_size), resumed by plain python
-    if results[0] != "gloo":
-        pytest.skip("once, from the gloo launch's checkpoint")
+def test_resume_on_one_process_of_a_three_rank_checkpoint(request, results):
+    # the checkpoint the gloo np=3 launch wrote (check resumes_at_another_world_size), resumed by plain python
+    launcher, np = request.node.callspec.params["results"]
+    if (launcher, np) != ("gloo", 3):
+        pytest.skip("once, from the gloo np=3 launch's checkpoint (3 ranks -> 1)")
     name = "resumes_at_another_world_size"
     assert_passed(results, name)
-    resumed = run_checks("python", WORKER, TMP["gloo"], np=1, timeout=300, extra_env={"HVDP_CHECKS": name})
+    resumed = run_checks("python", WORKER, TMP[(launcher, np)], np=1, timeout=300, extra_env={"HVDP_CHECKS": name})
     assert_passed(("python", resumed), name)
 
 
@@ -90,3 +100,50 @@ def test_eval_batches_score_every_sample_once(n, batch_size, size):
     for rank, p in enumerate(plans):
         assert len(p) == (full - 1 if 0 < short < size and rank >= short else full), (rank, p)
         assert all(len(b) >= 1 for b in p) and all(b == list(range(b[0], b[-1] + 1)) for b in p)
+
+
+KILL_WORKER = Path(__file__).with_name("kill_worker.py")
+WATCHDOG = 5  # HVDP_WATCHDOG_TIMEOUT for the dead-rank test (default 60 s)
+
+
+def run_until_dead(launcher: str, limit: float) -> tuple[int | None, str, float | None]:
+    """Run kill_worker.py (rank 1 SIGKILLs itself at step 3) in its own session; return (exit code, output,
+    seconds from rank 1's kill to the job's end). Whatever is left of the job after `limit` s is killed."""
+    from hvdp.tools.rotation import descendants, kill
+    proc = subprocess.Popen(launcher_cmd(launcher) + [str(KILL_WORKER)], cwd=ROOT, start_new_session=True,
+                            env=env(HVDP_WATCHDOG_TIMEOUT=str(WATCHDOG), HVDP_WATCHDOG_ELSEWHERE_TIMEOUT=str(WATCHDOG)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(limit, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    lines, killed_at, ranks = [], None, []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if killed_at is None and "SIGKILL at step" in line:
+                killed_at = time.monotonic()
+                ranks = descendants([proc.pid])  # Gloo's ranks run in sessions of their own
+        proc.wait()
+        ended = time.monotonic()
+    finally:
+        timer.cancel()
+        for pid in [proc.pid, *ranks]:  # what is left (a rank still waiting), if it is still this job's
+            try:
+                if str(KILL_WORKER) in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "):
+                    kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.wait()
+    return proc.returncode, "".join(lines), None if killed_at is None else ended - killed_at
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "gloo"])
+def test_a_killed_rank_ends_the_job_soon_naming_it(launcher):
+    # rank 1 SIGKILLed in the middle of Trainer.fit: rank 0, waiting in the gradient all-reduce, fails and the
+    # launcher ends the job naming rank 1, within seconds (the watchdog's limit is 5 s), not at a timeout
+    code, out, seconds = run_until_dead(launcher, limit=180)
+    assert seconds is not None, out[-3000:]  # rank 1 reached the kill
+    assert code not in (0, None) and "finished without noticing" not in out, out[-3000:]
+    assert seconds < 30, (seconds, out[-3000:])
+    named = {"gloo": "Process name: 1\nExit code: 137", "mpi": "process rank 1 with PID"}[launcher]
+    assert named in out, out[-3000:]
+    print(f"{launcher}: the job ended {seconds:.1f} s after rank 1 was killed")

@@ -43,7 +43,8 @@ def data(n: int, seed: int = 0) -> torch.utils.data.TensorDataset:
 
 
 def n_train() -> int:
-    # 3 full global batches and a last one of N*b - 3 samples, which N ranks split unevenly
+    # 3 full global batches and a last one of N*b - 3 samples, smaller than the others (hvdp splits it 3 + 2 at
+    # N = 2, 3 + 3 + 3 at N = 3)
     return 3 * B * world.size + max(1, B * world.size - 3)
 
 
@@ -197,7 +198,8 @@ def lightnings_own_distributed_sampler_is_not_one_process(tmp):
     # repeated samples and weighs the ranks' batches alike, so the run is not one process's. hvdp's is.
     if world.size == 1:
         return
-    dataset = data(n_train())
+    # a size the ranks cannot split evenly (n_train() splits evenly at N = 3), so that DistributedSampler pads
+    dataset = data(n_train() + (n_train() % world.size == 0))
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world.size, rank=world.rank, shuffle=False)
     module = Net("sgd")
     trainer(use_distributed_sampler=False, max_epochs=1).fit(
@@ -338,6 +340,31 @@ def fabric_loop_with_clipping_equals_one_process(tmp):
 def fabric_sharded_with_clipping_equals_one_process(tmp):
     # shard_optimizer_state=True: fabric.clip_gradients clips by the norm across the ranks' shards
     fabric_loop(hl.HorovodFabricStrategy(seed=SEED, shard_optimizer_state=True), clip=0.5)
+
+
+class RankDependent(Net):
+    """A mistake hvdp verify must catch: each rank weighs its loss by its rank (one process: rank 0's weight)."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * (1 + self.global_rank)
+
+
+@check
+def verify_experiment_on_a_lightning_module(tmp):
+    # hvdp verify --framework lightning's experiment (compare_lightning) on a LightningModule of the user's: its
+    # own training_step (self.log included) and configure_optimizers on both sides, accumulation and clipping
+    from hvdp.lightning.verify import compare_lightning
+    kwargs = dict(optimizer=None, data=lambda n, model: data(n).tensors, lr=LR, steps=3, batch_size=B, accumulate=2,
+                  seed=SEED, clip=0.5)
+    result = compare_lightning(build=lambda: Net("adam", scheduler=False), **kwargs)
+    print(f"[rank {world.rank}] verify, a LightningModule: max |dw| {result['max_abs_diff']:.3g} "
+          f"({result['steps']} steps, {result['clipped_steps']} clipped)", file=sys.stderr)
+    assert result["max_abs_diff"] < 1e-5 and result["replicas_identical"] and result["data_identical"], result
+    assert result["steps"] == 4 and result["size"] == world.size, result  # 3 whole steps and the short one
+    wrong = compare_lightning(build=lambda: RankDependent("adam"), **kwargs)
+    assert wrong["replicas_identical"], wrong
+    if world.size > 1:
+        assert wrong["max_abs_diff"] > 1e-3, wrong  # the experiment sees the mistake
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -496,7 +523,8 @@ def resumes_at_another_world_size(tmp):
                     callbacks=[pl.callbacks.ModelCheckpoint(dirpath=d, save_last=True, save_top_k=0)])
         t.fit(Net("sgd", scheduler=True), loader)
         saved = torch.load(d / "last.ckpt", weights_only=False)["hvdp"]
-        assert saved == {"size": world.size, "multiplier": float(world.size), "steps": 4}, saved
+        steps = -(-RESIZE_N // (B * world.size))  # one epoch's optimizer steps
+        assert saved == {"size": world.size, "multiplier": float(world.size), "steps": steps}, saved
         return
     written = torch.load(d / "last.ckpt", weights_only=False)["hvdp"]["size"]
     assert written > 1, written
