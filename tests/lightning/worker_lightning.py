@@ -91,7 +91,7 @@ def trainer(**kwargs) -> pl.Trainer:
 
 
 def reference(module: Net, dataset, *, epochs=2, accumulate=1, clip=None, clip_value=None, bf16=False,
-              warmup=0) -> torch.nn.Module:
+              fp16=False, warmup=0) -> torch.nn.Module:
     """One process, batch N*b, rate x N, in hvdp's epoch order: what the N ranks must reproduce. With `warmup`,
     optimizer step t takes the rate x (1 + (N - 1) * min(t, warmup) / warmup) / N (from x 1 to x N)."""
     model = copy.deepcopy(Net(module.optimizer, module.scheduler))
@@ -107,14 +107,16 @@ def reference(module: Net, dataset, *, epochs=2, accumulate=1, clip=None, clip_v
     x, y = dataset.tensors
     n, gb = len(x), B * world.size
     steps = 0
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, enabled=fp16)
     for epoch in range(epochs):
         order = torch.as_tensor(epoch_order(n, seed=SEED, epoch=epoch, shuffle=True))
         chunks = [order[i:i + gb] for i in range(0, n, gb)]
         for i, idx in enumerate(chunks):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast("cpu", dtype=torch.float16 if fp16 else torch.bfloat16, enabled=bf16 or fp16):
                 loss = F.mse_loss(model(x[idx]), y[idx]) / accumulate
-            loss.backward()
+            scaler.scale(loss).backward()
             if (i + 1) % accumulate == 0 or i == len(chunks) - 1:
+                scaler.unscale_(opt)
                 if clip is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 if clip_value is not None:
@@ -123,7 +125,8 @@ def reference(module: Net, dataset, *, epochs=2, accumulate=1, clip=None, clip_v
                 if warmup:
                     for g in opt.param_groups:
                         g["lr"] *= (1 + (world.size - 1) * min(steps, warmup) / warmup) / world.size
-                opt.step()
+                scaler.step(opt)
+                scaler.update()
                 opt.zero_grad()
                 for g, lr in zip(opt.param_groups, kept):
                     g["lr"] = lr
@@ -145,7 +148,8 @@ def same_on_every_rank(module: torch.nn.Module) -> None:
 
 def fit_and_compare(module: Net, *, tol=1e-5, **kwargs) -> torch.utils.data.Dataset:
     dataset = data(n_train())
-    ref_kwargs = {k: kwargs.pop(k) for k in ("accumulate", "clip", "clip_value", "bf16", "warmup") if k in kwargs}
+    ref_kwargs = {k: kwargs.pop(k) for k in ("accumulate", "clip", "clip_value", "bf16", "fp16", "warmup")
+                  if k in kwargs}
     loader = torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True)
     trainer(**kwargs).fit(module, loader)
     same_on_every_rank(module)
@@ -190,6 +194,22 @@ def warmup_ramps_the_rate_as_one_process(tmp):
 def bf16_mixed_follows_one_process(tmp):
     # bf16 rounding: not bit for bit, but the same run (a wrong sharding or rate is off by far more)
     fit_and_compare(Net("sgd"), precision="bf16-mixed", bf16=True, tol=1e-2)
+
+
+SCALE = 2.0 ** 8  # the GradScalers' initial scale: no overflow on either side (see the check below)
+
+
+@check
+def fp16_mixed_with_a_grad_scaler_follows_one_process(tmp):
+    # precision="16-mixed" with accelerator="cpu" is turned into "bf16-mixed" by Lightning's accelerator connector
+    # (a warning: "AMP with fp16 is not supported on CPU"); torch has fp16 autocast and GradScaler("cpu"), which
+    # Lightning's own MixedPrecision plugin takes when given: the gradients scaled, averaged, unscaled, clipped.
+    # At GradScaler's default scale (65536) this model's fp16 backward overflows in some steps, on the ranks (a
+    # batch of b) and in one process (N*b) at different steps, so their skips differ: a scale that never
+    # overflows compares the rest.
+    mixed = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=SCALE))
+    fit_and_compare(Net("sgd"), plugins=[mixed], gradient_clip_val=0.5, fp16=True, clip=0.5, tol=1e-3)
+    assert mixed.scaler.get_scale() == SCALE  # no step skipped (an overflow halves it)
 
 
 @check
