@@ -20,14 +20,16 @@ What it does to the Trainer's run (docs/lightning.md):
   atomically (every rank learns of a failed write), resumes a checkpoint written within an epoch at the first
   sample not trained on (the training loader is resumable), and rescales the rates of a checkpoint written at
   another world size, or by another strategy (one process's rates).
-accumulate_grad_batches, gradient_clip_val/algorithm and precision="bf16-mixed" keep one process's meaning.
-One optimizer (configure_optimizers returning more is a ConfigError).
+accumulate_grad_batches, gradient_clip_val/algorithm and precision="bf16-mixed" (or fp16 with a GradScaler, through
+Lightning's MixedPrecision plugin) keep one process's meaning. One optimizer (configure_optimizers returning more is
+a ConfigError). HorovodStrategy(shard_optimizer_state=True) prepares it with hvdp.torch's sharded optimizer
+(ZeRO-1/2): gradient_clip_val clips by the norm across the shards; not with accumulate_grad_batches > 1.
 
 HorovodFabricStrategy (Fabric(strategy="hvdp")) does the same for Lightning Fabric's loops: setup(model,
 optimizer) prepares the optimizer, setup_dataloaders() shards, clip_gradients() clips the averaged gradients.
 
 The package: _package (which Lightning), common (what both strategies share), trainer (HorovodStrategy),
-fabric (HorovodFabricStrategy).
+fabric (HorovodFabricStrategy), verify (`hvdp verify --framework lightning`'s experiment; imported by it only).
 
 Importing this package imports Lightning (lightning.pytorch, else pytorch_lightning: the one already imported
 when both are installed), torch and horovod.torch; nothing else in hvdp imports it.

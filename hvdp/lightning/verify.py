@@ -88,7 +88,8 @@ def compare_lightning(*, build: Callable, optimizer: Callable, data: Callable, l
     tensors = tuple(torch.as_tensor(t) for t in data(n, built))
     digest = equivalence._digest(t.cpu().numpy() for t in tensors)
     digests = ht.hvd.allgather_object(digest, name="hvdp.verify.digest") if world.size > 1 else [digest]
-    common = {"rank": world.rank, "size": world.size, "framework": "lightning", "accumulate": accumulate,
+    common = {"rank": world.rank, "size": world.size, "framework": "lightning", "lightning_module": user,
+              "accumulate": accumulate,
               "leftover": leftover, "sharded": shard, "clip": clip, "sync_batchnorm": sync_batchnorm,
               "parameters": sum(p.numel() for p in module.parameters()), "data_identical": len(set(digests)) == 1}
     if not common["data_identical"]:

@@ -131,7 +131,8 @@ def run(args) -> int:
         print(f"hvdp verify: --stream must be >= 0, got {args.stream}", file=sys.stderr)
         return 2
     if args.sharded and args.framework not in ("torch", "lightning"):
-        print(f"hvdp verify: --sharded is for --framework torch only, got --framework {args.framework}: sharded "
+        print(f"hvdp verify: --sharded is for --framework torch only (and lightning: HorovodStrategy("
+              f"shard_optimizer_state=True)), got --framework {args.framework}: sharded "
               f"optimizer state (prepare(..., shard_optimizer_state=True)) exists in hvdp.torch only; "
               f"hvdp.tensorflow and hvdp.keras do not offer it", file=sys.stderr)
         return 2
@@ -276,7 +277,8 @@ def _lightning_worker(args, factory, shape: tuple, changed: list[str]) -> int:
     ok = result["max_abs_diff"] <= args.tolerance and result["replicas_identical"]
     if result["rank"] == 0:
         _print_deterministic(changed)
-        print(f"{_setup(args, result, optimizer)}, Lightning's Trainer: max |dw| = {result['max_abs_diff']:.3g} "
+        label = "its configure_optimizers" if result["lightning_module"] else optimizer
+        print(f"{_setup(args, result, label)}, Lightning's Trainer: max |dw| = {result['max_abs_diff']:.3g} "
               f"(tolerance {args.tolerance:g}); replicas identical: {result['replicas_identical']} -> "
               f"{'PASS' if ok else 'FAIL'}")
         causes = [] if ok else _print_failure(result)
