@@ -242,6 +242,8 @@ class ElasticState(_horovod.CopiedExtras, ObjectState):
         if self._interrupted:  # the last call raised and no reset followed: its callbacks ended, as Keras's would
             for c in self._callbacks:
                 c.abandon()
+        for c in continued:  # rank 0 may be another process after a reset (with or without sync())
+            c.adopt()
         self._resume(continued)
         self._callbacks, self._interrupted = continued, False
         histories = []
@@ -324,19 +326,25 @@ class _Continued(keras.callbacks.Callback):
 
     def resume(self, saved: dict | None) -> None:
         """Continue from `saved` (a state(), the last commit's): its attributes back in the callback now where it
-        began in this process, else after its on_train_begin (a joining rank, a new rank 0 for a file writer);
-        None or a state that had not begun: it begins anew."""
+        began in this process, else after its on_train_begin (a joining rank, a new rank 0 for a file writer:
+        adopt()); None or a state that had not begun: it begins anew."""
         if saved is None or not saved["began"]:
             self._began, self._restore = False, None
             return
-        inner = self.hvdp_inner
-        if isinstance(inner, _keras_rank0.RankZero) and inner._root() and not inner.began:
-            self._began = False  # rank 0 now, its writer never began here: it begins, appending to rank 0's file
-            if isinstance(inner.callback, keras.callbacks.CSVLogger):
-                inner.callback.append = True
         self._restore = saved["attrs"]
         if self._began:
             self._put_back()
+
+    def adopt(self) -> None:
+        """A Keras file writer (RankZero) that began while another process was rank 0, which a reset made this
+        one: it begins here at the next on_train_begin, a CSVLogger appending to the file rank 0 wrote (Keras
+        then writes no second header). BackupAndRestore is left as it is: its on_train_begin is collective."""
+        inner = self.hvdp_inner
+        if (self._began and isinstance(inner, _keras_rank0.RankZero) and inner._root() and not inner.began
+                and not isinstance(inner.callback, keras.callbacks.BackupAndRestore)):
+            self._began = False
+            if isinstance(inner.callback, keras.callbacks.CSVLogger):
+                inner.callback.append = True
 
     def _put_back(self) -> None:
         for k, v in (self._restore or {}).items():

@@ -6,6 +6,10 @@ a callback that runs before the state's commit (every 3 batches: a failure rolls
 into the elastic state itself, so the final state says exactly what the final model learned from: the test
 checks that each epoch covers every sample exactly once although the world changed size mid-epoch. Rank 0 appends a progress line per step to
 --progress (the test watches it to act mid-epoch) and writes --result at the end.
+
+The first --epochs epochs are one state.fit call, so its callbacks span the reset (issue 50 row 8): an
+EarlyStopping on a value that never improves (its best stays epoch 0, its wait counts every epoch) and a
+CSVLogger (one header, a row per epoch, none rewritten) continue from the last commit, not anew.
 """
 
 import json
@@ -40,7 +44,7 @@ class Record(keras.callbacks.Callback):
         super().__init__()
         self.state, self.progress = state, progress
 
-    def on_train_begin(self, logs=None):
+    def on_train_batch_begin(self, batch, logs=None):
         PENDING.clear()  # a step that failed with its peer may have recorded its ids
 
     def on_train_batch_end(self, batch, logs=None):
@@ -55,6 +59,13 @@ class Record(keras.callbacks.Callback):
             with open(self.progress, "a") as f:
                 f.write(json.dumps({"size": hk.hvd.size(), "epoch": epoch, "offset": len(seen),
                                     "batches": batches}) + "\n")
+
+
+class Flat(keras.callbacks.Callback):
+    """A monitored value that never improves, for EarlyStopping to count epochs with."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["flat"] = 1.0
 
 
 def main():
@@ -72,6 +83,10 @@ def main():
     data = hk.shard((x, y), batch_size=args.batch_size)
     state = hk.ElasticState(model, data, seen={}, sizes=[], lrs={})
     record = Record(state, args.progress)
+    early = keras.callbacks.EarlyStopping(monitor="flat", mode="min", patience=100)
+    csv_path = os.path.join(os.path.dirname(args.result), "epochs.csv")
+    callbacks = [record, Flat(), early, keras.callbacks.CSVLogger(csv_path)]
+    spanned = {}  # EarlyStopping at the end of the fit call of the first --epochs epochs
 
     def readmitted(sizes):
         return any(a > b < c for a, b, c in zip(sizes, sizes[1:], sizes[2:]))
@@ -85,9 +100,12 @@ def main():
         if not state.sizes or state.sizes[-1] != size:
             state.sizes.append(size)
         state.lrs[size] = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
-        while (state.position[1] or state.epoch < args.epochs or (args.until_readmitted and not readmitted(state.sizes))
+        if state.epoch < args.epochs:  # one call, across any reset in it
+            state.fit(epochs=args.epochs, commit_every=3, callbacks=callbacks, verbose=0)
+            spanned.update(best_epoch=early.best_epoch, wait=early.wait)
+        while (state.position[1] or (args.until_readmitted and not readmitted(state.sizes))
                or (args.until_shrunk and not shrunk(state.sizes))):
-            # one epoch (or the rest of the one a reset interrupted) at a time: the loop condition is checked
+            # then one epoch at a time: the loop condition is checked
             state.fit(epochs=state.epoch + 1, commit_every=3, callbacks=[record], verbose=0)
 
     train(state)
@@ -95,7 +113,8 @@ def main():
         hk.check_consistency(model)
     if hk.hvd.rank() == 0:
         with open(args.result, "w") as f:
-            json.dump({"sizes": state.sizes, "lrs": state.lrs, "seen": state.seen, "samples": args.samples}, f)
+            json.dump({"sizes": state.sizes, "lrs": state.lrs, "seen": state.seen, "samples": args.samples,
+                       "early_stopping": spanned, "csv": open(csv_path).read().splitlines()}, f)
 
 
 if __name__ == "__main__":

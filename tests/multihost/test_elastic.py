@@ -188,7 +188,9 @@ READMIT = "HVDP_TEST_ELASTIC_READMIT"  # set to 1 to also run the Keras re-admis
 def test_elastic_keras_survives_a_killed_worker(cluster, tmp_path, readmit):
     """issue 35: the same protocol through hvdp.keras (ElasticState.fit, Keras 3 on TensorFlow): a worker killed
     mid-epoch, the survivor finishes the epoch alone at the rate of one rank (with `readmit`, the host comes back
-    and the world grows again), and every sample of each epoch was trained on exactly once."""
+    and the world grows again), and every sample of each epoch was trained on exactly once. Issue 50 row 8: the
+    fit call's callbacks continue across the reset from the last commit (before: EarlyStopping's best became the
+    interrupted epoch's, wait 1 at the end; the CSVLogger rewrote its file from that epoch)."""
     samples = 96
     # A joining worker must reach init() within Horovod's Gloo timeout of the others' reset (30 s by default):
     # importing TensorFlow on this shared machine took longer once, and rank 0 aborted in the rendezvous.
@@ -214,3 +216,6 @@ def test_elastic_keras_survives_a_killed_worker(cluster, tmp_path, readmit):
     assert sizes[:3] == ([2, 1, 2] if readmit else [2, 1]), f"2 ranks, then 1 after the kill (then 2 again): {sizes}"
     _lr_follows_the_world(final)
     _each_epoch_once(final, samples)
+    assert final["early_stopping"] == {"best_epoch": 0, "wait": 2}, final["early_stopping"]
+    assert final["csv"][0].startswith("epoch") and [r.split(",")[0] for r in final["csv"][1:]] == ["0", "1", "2"], (
+        final["csv"])
