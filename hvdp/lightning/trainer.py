@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import signal
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -10,7 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.utils.data
 
-from hvdp import torch as _ht
+from hvdp import _preemption, torch as _ht
 from hvdp._horovod import agree
 from hvdp.core import checkpoint as _ckpt
 from hvdp.core.errors import CheckpointError, ConfigError
@@ -42,6 +43,12 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
             optimizer state of 1/N of the parameters; gradient_clip_val clips by the global norm (or value)
             across the shards; checkpoints hold the full state (gathered on rank 0). Not with
             accumulate_grad_batches > 1 (ConfigError).
+        preemption: hvdp's preemption handling (hvdp.torch.init's; default None: HVDP_PREEMPTION=1, else off).
+            On, a stop signal (SIGTERM, SIGUSR1) on any rank makes every rank, after the same optimizer step,
+            write Lightning's HPC checkpoint (hpc_ckpt_<n>.ckpt in the Trainer's default_root_dir, the one its
+            SLURMEnvironment writes and a fit(ckpt_path=None) under Slurm resumes from) and exit with the
+            requeue code (75). Lightning's own SIGTERM handling (the signalled rank alone stops at its next batch)
+            is left out meanwhile.
         seed: the seed of the training data's epoch order (default: PL_GLOBAL_SEED, which seed_everything
             sets, else 0); the same on every rank.
         accelerator, checkpoint_io, precision_plugin: as for Lightning's other strategies (the Trainer fills
@@ -57,8 +64,9 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
 
     def __init__(self, *, lr_scaling: str = "linear", warmup_steps: int = 0, compression: str = "none",
                  op: str = "average", sync_batchnorm: bool = False, shard_optimizer_state: bool = False,
-                 seed: int | None = None, accelerator=None, checkpoint_io=None, precision_plugin=None):
-        self._world = _ht.init()
+                 preemption: bool | None = None, seed: int | None = None, accelerator=None, checkpoint_io=None,
+                 precision_plugin=None):
+        self._world = _ht.init(preemption=preemption)
         super().__init__(accelerator=accelerator, parallel_devices=[_ht.device()],
                          cluster_environment=HorovodEnvironment(), checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -69,6 +77,7 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
         self._train_sampler: _EpochSampler | None = None
         self._raw: torch.optim.Optimizer | None = None  # the optimizer configure_optimizers built, before prepare()
         self._stepping: dict[int, _StepAfterClosure] = {}
+        self._asked_at: int | None = None  # the optimizer step after which preempted() was last asked
         rank_zero_only.rank = self._world.rank
         # Lightning's advice against its DistributedSampler in validate()/test() (it pads): process_dataloader
         # replaces that sampler by unpadded slices
@@ -213,7 +222,27 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
         _configure(kwargs, {"dataset": dataset}, persistent=False)
         return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **kwargs)
 
+    def on_train_start(self) -> None:
+        # Lightning's signal connector (installed after setup()) handles SIGTERM on the rank that gets it: that
+        # rank's fit stops at its next batch while the others wait in the all-reduce. With hvdp's preemption on,
+        # hvdp's handlers rule (every rank stops after the same step); the connector's teardown restores them.
+        self._asked_at = None
+        if _preemption.enabled():
+            _hvdp_handlers_back()
+
+    def _preempted(self) -> None:
+        """After each optimizer step (asked as the next batch begins, before it is counted): when hvdp's
+        agreement says stop, every rank writes Lightning's HPC checkpoint and exits with the requeue code."""
+        trainer = self.lightning_module.trainer
+        if not _preemption.enabled() or trainer.global_step == 0 or trainer.global_step == self._asked_at:
+            return
+        self._asked_at = trainer.global_step
+        if _ht.preempted():
+            trainer.save_checkpoint(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+            _ht.exit_for_requeue()
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._preempted()
         # Which batch prepare()'s gradient hooks weigh: the loader tells them as it hands a batch out, and
         # Lightning may fetch ahead of the batch it trains on (a loader without len()): the Trainer's own
         # count of the batch being trained on is the one that holds.
@@ -297,6 +326,15 @@ def _unwrapped(optimizer):
     while hasattr(optimizer, "_optimizer") or isinstance(optimizer, _StepAfterClosure):
         optimizer = optimizer.optimizer if isinstance(optimizer, _StepAfterClosure) else optimizer._optimizer
     return optimizer
+
+
+def _hvdp_handlers_back() -> None:
+    """Put hvdp's stop-signal handlers (hvdp._preemption's, installed by init(preemption=True)) back in place of
+    what Lightning's signal connector composed over them."""
+    for name in _preemption._settings.signals:
+        sig = signal.Signals[name]
+        signal.signal(sig, _preemption._handle)
+        signal.siginterrupt(sig, False)  # as init() set them: system calls restart
 
 
 def _clip_the_model(precision_plugin) -> None:

@@ -166,3 +166,26 @@ def test_verify_zoo_through_lightning_passes():
     for case in summary["cases"]:
         assert case["max_abs_diff"] <= zoo.TOLERANCE and case["replicas_identical"], case
         assert zoo.format_line(case) in proc.stdout
+
+
+PREEMPT_WORKER = Path(__file__).with_name("preempt_worker.py")
+
+
+def test_preempted_fit_writes_lightnings_hpc_checkpoint_and_the_requeued_run_resumes_exact(tmp_path):
+    # HorovodStrategy(preemption=True), rank 1 SIGTERMed at step 3: every rank stops after the same step, writes
+    # Lightning's HPC checkpoint (what its SLURMEnvironment writes) and exits 75; Lightning's own SIGTERM handling
+    # (rank 1 alone leaving its fit) does not run beside hvdp's. The requeued run (SLURM_NTASKS set, as under
+    # sbatch) resumes from that checkpoint by Lightning's own rule (fit(ckpt_path=None) under Slurm) and ends as
+    # one process with the global batch over the whole run.
+    first = run("gloo", PREEMPT_WORKER, str(tmp_path), timeout=300)
+    out = first.stdout + first.stderr
+    assert first.returncode != 0 and "Exit code: 75" in out, out[-3000:]
+    assert "hvdp: preempted (a stop signal on another rank): checkpoint written, exiting with 75" in out, out[-3000:]
+    assert "Received SIGTERM" not in out, out[-3000:]  # Lightning's notifier, which ends the signalled rank alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_ckpt_1.ckpt"], list(tmp_path.iterdir())
+    requeued = run("gloo", PREEMPT_WORKER, str(tmp_path), timeout=300,
+                   extra_env={"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "hvdp-requeued"})
+    assert requeued.returncode == 0, requeued.stdout[-3000:] + requeued.stderr[-3000:]
+    result = result_line(requeued.stdout)
+    assert result["requeued"] and result["ckpt_path"] == str(tmp_path / "hpc_ckpt_1.ckpt"), result
+    assert result["global_step"] == 8 and result["max_dw"] < 1e-5, result
