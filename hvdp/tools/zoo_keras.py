@@ -118,12 +118,15 @@ def case_unused_branch(steps: int = 4, batch_size: int = 8) -> float:
 # ------------------------------------------------ model.fit as users write it (issue 50): targets, weights, metrics
 
 def _fit_against_one_process(build, data, *, steps: int, batch_size: int, loss, leftover: int, epochs: int = 1,
-                             metrics=None, callbacks=None) -> float:
+                             metrics=None, callbacks=None, build_reference=None, relative: bool = False) -> float:
     """model.fit of build() through hvdp.keras (per-rank initial weights, fixed by the broadcast; shard() without
     shuffling) against one process's model.fit of the same arrays in the same order with batch N*b at N times the
     rate, from rank 0's initial weights. `data(n)` gives the (x, y[, sample weights]) of n samples; `callbacks()`
     builds fresh callbacks for each side; with `metrics()`, the fit logs' last-epoch values of each metric are
-    compared too (their state summed over the ranks). Returns the largest |difference|, rank 0's, on every rank."""
+    compared too (their state summed over the ranks); `build_reference()` builds one process's model where it is
+    not build()'s (the same weights in the same order); `relative`: a weight's |difference| is taken relative to
+    its size where that is above 1 (a moving mean near a large input mean holds 7 digits of it in float32).
+    Returns the largest |difference|, rank 0's, on every rank."""
     import hvdp.keras as hk
     from hvdp import _keras_backend
 
@@ -139,7 +142,7 @@ def _fit_against_one_process(build, data, *, steps: int, batch_size: int, loss, 
                        callbacks=[*hk.callbacks(data=train), *(callbacks() if callbacks else [])]).history
     diff = None
     if world.rank == 0:
-        reference = build()
+        reference = (build_reference or build)()
         reference.set_weights(initial)
         reference.compile(optimizer=keras.optimizers.SGD(LR * world.size, momentum=0.9), loss=loss,
                           metrics=metrics() if metrics else None)
@@ -149,7 +152,9 @@ def _fit_against_one_process(build, data, *, steps: int, batch_size: int, loss, 
         if len(one["loss"]) != len(fitted["loss"]):  # a callback stopped one of them at another epoch
             diff = float("inf")
         else:
-            diff = max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights()))
+            scale = (lambda b: np.maximum(1.0, np.abs(b))) if relative else (lambda b: 1.0)
+            diff = max(float(np.max(np.abs(a - b) / scale(b)))
+                       for a, b in zip(model.get_weights(), reference.get_weights()))
             for name in (k for k in one if k != "loss"):  # the metrics (a name fit did not log: a KeyError)
                 diff = max(diff, abs(one[name][-1] - fitted[name][-1]))
     return float(_keras_backend.horovod().broadcast_object(diff, root_rank=0, name="hvdp.zoo.diff"))
@@ -219,12 +224,64 @@ def case_binary_metric_stop(steps: int = 4, batch_size: int = 8) -> float:
                            keras.callbacks.TerminateOnNaN()])
 
 
+class _TwoPassBatchNormalization(keras.layers.BatchNormalization):
+    """One process's BatchNormalization with the variance around the batch mean (two passes), normalised by the
+    backend's ops.batch_normalization as Keras's: the reference of case_syncbn_offset. Keras's own computes the
+    variance as E[x^2] - E[x]^2 on its torch backend, which in float32 at an input mean of 1e3 is no reference
+    (relative error about 1e-1 in the variance)."""
+
+    def call(self, inputs, training=None, mask=None):
+        x = keras.ops.cast(inputs, self.compute_dtype)
+        if training:
+            n = keras.ops.cast(keras.ops.shape(x)[0], x.dtype)
+            mean = keras.ops.sum(x, axis=self._reduction_axes) / n
+            variance = keras.ops.sum(keras.ops.square(x - mean), axis=self._reduction_axes) / n
+            self.moving_mean.assign(self.moving_mean * self.momentum + mean * (1.0 - self.momentum))
+            self.moving_variance.assign(self.moving_variance * self.momentum + variance * (1.0 - self.momentum))
+        else:
+            mean, variance = self.moving_mean, self.moving_variance
+        return keras.ops.batch_normalization(x, mean, variance, axis=self.axis, offset=self.beta, scale=self.gamma,
+                                             epsilon=self.epsilon)
+
+
+OFFSET = 1e3  # case_syncbn_offset's input mean
+
+
+def _normalised(layer):
+    def build():
+        return keras.Sequential([keras.Input((20,)), layer(), keras.layers.Dense(8, activation="tanh"),
+                                 keras.layers.Dense(4)])
+    return build
+
+
+def _offset(n: int):
+    """Standard-normal features around OFFSET, 4 classes from two of them."""
+    rng = np.random.default_rng(SEED)
+    x = rng.standard_normal((n, 20)).astype(np.float32)
+    y = ((x[:, 0] > 0).astype(np.int64) + 2 * (x[:, 1] > 0)).astype(np.int64)
+    return (x + OFFSET).astype(np.float32), y
+
+
+def case_syncbn_offset(steps: int = 4, batch_size: int = 8) -> float:
+    """model.fit of hvdp.keras.SyncBatchNormalization -> Dense -> Dense on inputs of mean 1e3 (the global batch's
+    statistics with the variance around the mean), the epoch's short last step included, against one process's
+    two-pass BatchNormalization (_TwoPassBatchNormalization); the moving mean (about 49 after 5 steps) compared
+    relative to its size (2 float32 ulps of it are 7.6e-6)."""
+    import hvdp.keras as hk
+
+    return _fit_against_one_process(_normalised(hk.SyncBatchNormalization), _offset, steps=steps,
+                                    batch_size=batch_size, leftover=3,
+                                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                                    build_reference=_normalised(_TwoPassBatchNormalization), relative=True)
+
+
 CASES = {"text_cnn": case_text_cnn, "text_gru": case_text_gru, "tf_loop_embedding": case_tf_loop_embedding,
          "unused_branch": case_unused_branch, "tagger_weights": case_tagger_weights,
-         "segmentation": case_segmentation, "binary_metric_stop": case_binary_metric_stop}
+         "segmentation": case_segmentation, "binary_metric_stop": case_binary_metric_stop,
+         "syncbn_offset": case_syncbn_offset}
 FRAMEWORKS = {"text_cnn": "keras", "text_gru": "keras", "tf_loop_embedding": "tensorflow",
               "unused_branch": "keras", "tagger_weights": "keras", "segmentation": "keras",
-              "binary_metric_stop": "keras"}
+              "binary_metric_stop": "keras", "syncbn_offset": "keras"}
 
 __all__ = ["CASES", "FRAMEWORKS", "case_text_cnn", "case_text_gru", "case_tf_loop_embedding", "case_unused_branch",
-           "case_tagger_weights", "case_segmentation", "case_binary_metric_stop"]
+           "case_tagger_weights", "case_segmentation", "case_binary_metric_stop", "case_syncbn_offset"]
