@@ -293,6 +293,12 @@ def _plain(value) -> bool:
     return isinstance(value, _PLAIN)
 
 
+def _open_file(csv_logger) -> bool:
+    """Whether a CSVLogger has its file open in this process (rank 0's), a local one (tell and truncate)."""
+    f = getattr(csv_logger, "csv_file", None)
+    return f is not None and not f.closed and all(hasattr(f, m) for m in ("tell", "truncate", "seek"))
+
+
 class _Continued(keras.callbacks.Callback):
     """A user's callback across ElasticState.fit's one model.fit per epoch, as it would see one fit: its
     on_train_begin at the first fit only (until end()), its on_train_end deferred to end(), every other hook
@@ -322,6 +328,9 @@ class _Continued(keras.callbacks.Callback):
         attrs = {k: copy.deepcopy(v) for k, v in vars(user).items() if k not in ("params", "_params") and _plain(v)}
         if isinstance(user, keras.callbacks.CSVLogger) and "append_header" in attrs:
             attrs["append_header"] = user.append_header and user.writer is None  # no second header
+            if _open_file(user):  # rank 0's: the rows written so far (a reset takes back the ones after)
+                user.csv_file.flush()
+                attrs["hvdp_csv_size"] = user.csv_file.tell()
         return {"type": self.kind(self), "began": True, "attrs": attrs}
 
     def resume(self, saved: dict | None) -> None:
@@ -347,9 +356,15 @@ class _Continued(keras.callbacks.Callback):
                 inner.callback.append = True
 
     def _put_back(self) -> None:
-        for k, v in (self._restore or {}).items():
-            setattr(self.user, k, copy.deepcopy(v))
-        self._restore = None
+        restore, self._restore = dict(self._restore or {}), None
+        size = restore.pop("hvdp_csv_size", None)
+        user = self.user
+        for k, v in restore.items():
+            setattr(user, k, copy.deepcopy(v))
+        if size is not None and isinstance(user, keras.callbacks.CSVLogger) and _open_file(user):
+            user.csv_file.flush()  # the rows written after the commit are written again: take them back
+            user.csv_file.truncate(size)
+            user.csv_file.seek(size)
 
     def set_params(self, params):
         super().set_params(params)
@@ -393,7 +408,9 @@ for _hook in _keras_rank0._HOOKS:
 
 class _Commit(keras.callbacks.Callback):
     """Advances the state's position after every batch and commits it every `every` batches and at the
-    epoch's end (Horovod's CommitStateCallback and Update*StateCallback in one, for Keras 3)."""
+    epoch's end (Horovod's CommitStateCallback and Update*StateCallback in one, for Keras 3). The epoch's last
+    batch is committed at the epoch's end only: a commit there would say the epoch is done before its epoch-end
+    callbacks ran, and a failure in them would lose their epoch (EarlyStopping's wait, a CSVLogger row)."""
 
     def __init__(self, state: ElasticState, epoch: int, offset: int, every: int):
         super().__init__()
@@ -401,6 +418,8 @@ class _Commit(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.state._advance(self.epoch, self.offset, batch + 1)
+        if self.state.position[0] > self.epoch:
+            return  # the epoch's last batch: its commit is the epoch end's, after the epoch-end callbacks ran
         if batch + 1 - self._committed >= self.every:
             self._committed = batch + 1
             self.state.commit()

@@ -653,8 +653,8 @@ _FAILED: list = []  # where _FailOnce failed (module state: not the callback's, 
 
 
 class _FailOnce(keras.callbacks.Callback):
-    """Raises HorovodInternalError on every rank after batch `batch` of epoch `epoch`, once: a lost peer as the
-    state's fit sees it (before that step's commit; the last was `commit_every` batches earlier)."""
+    """Raises HorovodInternalError on every rank after batch `batch` of epoch `epoch` (batch None: at its end,
+    after the callbacks before it), once: a lost peer as the state's fit sees it (before that step's commit)."""
 
     def __init__(self, epoch, batch):
         super().__init__()
@@ -665,10 +665,18 @@ class _FailOnce(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if not _FAILED and (self._epoch, batch) == (self.epoch, self.batch):
-            from horovod.common.exceptions import HorovodInternalError
+            self._fail(batch)
 
-            _FAILED.append((self._epoch, batch))
-            raise HorovodInternalError("a peer was lost (simulated)")
+    def on_epoch_end(self, epoch, logs=None):
+        if not _FAILED and self.batch is None and epoch == self.epoch:
+            self._fail(None)
+
+    @staticmethod
+    def _fail(where):
+        from horovod.common.exceptions import HorovodInternalError
+
+        _FAILED.append(where)
+        raise HorovodInternalError("a peer was lost (simulated)")
 
 
 @check
@@ -711,6 +719,30 @@ def elastic_fit_continues_callbacks_state_across_a_reset(tmp):
     if world.rank == 0:
         rows = (out / "log.csv").read_text().strip().splitlines()
         assert rows[0].startswith("epoch") and [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2", "3"], rows
+    # a failure in the epoch-end callbacks (after EarlyStopping and CSVLogger ran): the epoch's last batch was not
+    # committed, so the rollback is to batch 4 of 6 and epoch 1's end runs again, its CSV row taken back first.
+    # Before: the last batch's commit said epoch 1 was done: its wait was lost (stopped after epoch 3 against 2)
+    # and its row written twice.
+    model2 = _model()
+    model2.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=LOSS)
+    state2 = hk.ElasticState(model2, hk.shard(_data(), batch_size=BATCH, seed=3))
+    early2 = keras.callbacks.EarlyStopping(monitor="flat", mode="min", patience=2)
+    callbacks2 = [_Constant(), early2, keras.callbacks.CSVLogger(str(out / "log2.csv")), _FailOnce(epoch=1, batch=None)]
+    _FAILED.clear()
+    state2.sync()
+    try:
+        state2.fit(5, commit_every=2, callbacks=callbacks2, verbose=0)
+        raise AssertionError("the simulated failure did not happen")
+    except HorovodInternalError:
+        state2.restore()
+        state2.on_reset()
+    assert state2.position == (1, 4 * BATCH * world.size), state2.position
+    state2.sync()
+    state2.fit(5, commit_every=2, callbacks=callbacks2, verbose=0)
+    assert (state2.epoch, early2.best_epoch) == (3, 0), (state2.epoch, early2.best_epoch)
+    if world.rank == 0:
+        rows = (out / "log2.csv").read_text().strip().splitlines()
+        assert rows[0].startswith("epoch") and [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2"], rows
     # after a reset mid-call, a callback list other than the committed one is refused, on every rank
     _FAILED.clear()
     try:
