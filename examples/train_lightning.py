@@ -6,6 +6,11 @@
 
 A Lightning script moves to hvdp by one argument of the Trainer (strategy="hvdp") and the import that
 registers it; the lines are tagged `# hvdp:`. The last line printed (rank 0) is `result: {json}`.
+
+With --checkpoint-dir (what examples/slurm.sbatch passes: `sbatch examples/slurm.sbatch --script
+examples/train_lightning.py`) the Trainer writes its checkpoints there and preemption is on: a stop signal makes
+every rank write Lightning's HPC checkpoint there and exit 75; the requeued job's fit resumes from it (under
+Slurm, Lightning's own rule).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hvdp.lightning  # noqa: F401  # hvdp: registers strategy="hvdp"
-from common import load_data, num_classes, print_result
+from common import digest, load_data, num_classes, print_result
 
 
 class Digits(pl.LightningModule):
@@ -67,7 +72,8 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     model = Digits(x_train.shape[1], num_classes(y_train, y_test), args.lr)
     trainer = pl.Trainer(
-        strategy=hvdp.lightning.HorovodStrategy(warmup_steps=20),  # hvdp: or strategy="hvdp"
+        # hvdp: or strategy="hvdp"; preemption: a stop signal checkpoints every rank after the same step, exit 75
+        strategy=hvdp.lightning.HorovodStrategy(warmup_steps=20, preemption=args.checkpoint_dir is not None),
         accelerator="cpu", max_epochs=args.epochs, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=args.checkpoint_dir is not None,
         default_root_dir=args.checkpoint_dir)
@@ -75,11 +81,17 @@ def main() -> None:
     # batch_size per rank; hvdp replaces the sampler (every sample once per epoch, the order set by the seed)
     trainer.fit(model, torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True))
     seconds = time.perf_counter() - started
-    metrics = trainer.test(model, torch.utils.data.DataLoader(test, batch_size=64), verbose=False)[0]
+    resumed_from, steps = trainer.ckpt_path, trainer.global_step  # fit's checkpoint (None: a fresh fit)
+    # Under Slurm, Lightning's test(ckpt_path=None) loads the newest HPC checkpoint even when given the model:
+    # after a requeue, the weights of the preempted step. "best" is the last epoch's checkpoint: these weights
+    metrics = trainer.test(model, torch.utils.data.DataLoader(test, batch_size=64), verbose=False,
+                           ckpt_path="best" if args.checkpoint_dir else None)[0]
     if trainer.is_global_zero:  # hvdp: rank 0 reports
         print_result({"test_accuracy": round(metrics["test_accuracy"], 4), "test_loss": round(metrics["test_loss"], 4),
                       "test_samples": int(metrics["test_samples"]), "world_size": trainer.world_size,
-                      "epochs": args.epochs, "seconds": round(seconds, 2), "framework": "lightning"})
+                      "epochs": args.epochs, "seconds": round(seconds, 2), "framework": "lightning",
+                      "global_step": steps, "resumed_from": resumed_from,
+                      "weights_sha256": digest(w.numpy() for w in model.state_dict().values())})
 
 
 if __name__ == "__main__":

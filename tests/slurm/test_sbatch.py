@@ -1,7 +1,8 @@
 """examples/slurm.sbatch on a real Slurm cluster (conftest.py): the main job with each launcher the script
 offers, on one node and across two; jobs preempted mid-epoch (SIGUSR1 to the ranks, SIGUSR1 to the batch
-shell, `scontrol requeue`) that requeue and end with the same weights as an uninterrupted job; and a job
-suspended longer than the watchdog's limit that still finishes.
+shell, `scontrol requeue`) that requeue and end with the same weights as an uninterrupted job; a Lightning job
+(examples/train_lightning.py) requeued the same way, against an uninterrupted one; and a job suspended longer
+than the watchdog's limit that still finishes.
 
 Every job is submitted at once, from a directory outside the checkout, and Slurm runs them as its two nodes
 (2 CPUs each) free up; the fixture sends each disturbance once that job's first checkpoint exists (so during
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.launch import ROOT, result_line
 
@@ -36,6 +38,7 @@ class Job:
     launcher: str
     allocation: tuple[str, ...]  # sbatch options: each form SLURM_TASKS_PER_NODE takes is exercised
     disturb: str | None = None   # "usr1", "batch-usr1", "requeue" or "suspend", once its first checkpoint exists
+    first: str = "ckpt-*.pt"     # its first checkpoint: a glob in its checkpoint directory
     env: dict = field(default_factory=dict)
     args: tuple[str, ...] = ()  # the sbatch script's arguments: --python/--script, then -- and the job's flags
     id: int = 0
@@ -79,6 +82,17 @@ DISTURBED = {
     "suspend": Job(f"scontrol suspend for {SUSPEND_SECONDS} s, then resume", "srun",
                    ("--nodes=1", "--ntasks-per-node=2"), "suspend", env={"HVDP_WATCHDOG_TIMEOUT": WATCHDOG_TIMEOUT}),
 }
+# examples/train_lightning.py through the same script (--script): its checkpoint directory is the Trainer's
+# default_root_dir, where ModelCheckpoint writes checkpoints/epoch=<e>-step=<s>.ckpt at each epoch's end and
+# hvdp's preemption Lightning's hpc_ckpt_<n>.ckpt. 12 epochs (2.5 s for 6 unloaded): the requeue lands well
+# before fit ends
+LIGHTNING_ARGS = ("--script", str(ROOT / "examples" / "train_lightning.py"), "--", "--epochs", "12")
+LIGHTNING = {
+    "lightning": Job("Lightning, uninterrupted", "srun", ("--nodes=1", "--ntasks-per-node=2"), args=LIGHTNING_ARGS),
+    "lightning-requeue": Job("Lightning, HorovodStrategy(preemption=True), scontrol requeue", "srun",
+                             ("--nodes=1", "--ntasks-per-node=2"), "requeue", first="checkpoints/epoch=*.ckpt",
+                             args=LIGHTNING_ARGS),
+}
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +102,7 @@ def jobs(slurm, tmp_path_factory) -> dict:
     todo = {(launcher, nodes): Job(f"{launcher} on {nodes} node(s)", launcher, allocation)
             for (launcher, nodes), allocation in UNINTERRUPTED.items()}
     todo.update(DISTURBED)
+    todo.update(LIGHTNING)
     # A user's copy, outside the checkout, without the --ntasks-per-node line: HVDP_ROOT names the checkout
     edited = work / "edited.sbatch"
     edited.write_text("".join(line for line in SCRIPT.read_text().splitlines(keepends=True)
@@ -126,7 +141,7 @@ def _drive(slurm, job: Job) -> None:
     if job.ended is not None:
         return
     now = time.monotonic()
-    if job.disturb and job.disturbed is None and any(job.checkpoints.glob("ckpt-*.pt")):
+    if job.disturb and job.disturbed is None and any(job.checkpoints.glob(job.first)):
         job.disturbed = now
         action = {"usr1": ["scancel", "--signal=USR1"], "batch-usr1": ["scancel", "--batch", "--signal=USR1"],
                   "requeue": ["scontrol", "requeue"], "suspend": ["scontrol", "suspend"]}[job.disturb]
@@ -193,3 +208,44 @@ def test_suspended_job_finishes(jobs):
     assert job.ended - job.resumed < 300
     result = job.result()
     assert result["weights_sha256"] == jobs[("srun", 1)].result()["weights_sha256"], job.describe()
+
+
+def test_lightning_job_requeued_by_slurm_resumes_from_its_hpc_checkpoint_with_the_uninterrupted_weights(jobs):
+    """examples/train_lightning.py (HorovodStrategy(preemption=True)) under `scontrol requeue` once its first
+    epoch's checkpoint exists: Slurm's SIGTERM reaches every process; hvdp's handling alone acts on it (every
+    rank stops after the same step, rank 0 writes Lightning's HPC checkpoint, once, and the ranks exit 75, which
+    Slurm records for the first run); Lightning's own (its SIGTERM notifier, its SLURMEnvironment requeue) does
+    not. Slurm requeues the job, whose fit resumes from that checkpoint by Lightning's rule and ends with the
+    weights of the uninterrupted Lightning job, bit for bit."""
+    job, reference = jobs["lightning-requeue"], jobs["lightning"]
+    assert [r["JobState"] for r in reference.runs] == ["COMPLETED"], reference.describe()
+    assert reference.result()["resumed_from"] is None, reference.describe()
+    assert job.disturbed is not None, "the job never wrote its first checkpoint:\n" + job.describe()
+    assert len(job.runs) == 2 and job.runs[-1]["JobState"] == "COMPLETED", job.describe()
+    out = job.output()
+    # the ranks' requeue code as srun reports it (Slurm writes the first run's record, ExitCode and DerivedExitCode
+    # 0:0, as it requeues the job, before the ranks have exited)
+    exits = re.findall(r"srun: error: \S+: tasks? ([\d,-]+): Exited with exit code (\d+)", out)
+    assert sorted(_tasks(ids) for ids, code in exits if code == "75") in ([[0, 1]], [[0], [1]]), job.describe()
+    assert all(code == "75" for _, code in exits), job.describe()
+    assert "(restart 0)" in out and "(restart 1)" in out, job.describe()
+    assert "checkpoint written, exiting with 75" in out, job.describe()
+    assert f"hvdp: requeueing job {job.id}" not in out, job.describe()  # Slurm requeued it, not the script
+    for lightnings in ("Received SIGTERM", "Handling auto-requeue", "requeing job", "requeued successfully",
+                       "exited unexpectedly"):
+        assert lightnings not in out, f"{lightnings!r} in the output:\n" + job.describe()
+    assert sorted(p.name for p in job.checkpoints.glob("hpc_ckpt_*")) == ["hpc_ckpt_1.ckpt"], job.describe()
+    result, uninterrupted = job.result(), reference.result()
+    stopped = torch.load(job.checkpoints / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=False)["global_step"]
+    assert 0 < stopped < uninterrupted["global_step"], (stopped, job.describe())  # within the fit, after epoch 1
+    print(f"\nlightning job {job.id}: requeued at optimizer step {stopped} of {uninterrupted['global_step']}, "
+          f"runs {[(r['JobState'], r['ExitCode']) for r in job.runs]}")
+    assert result["resumed_from"] == str(job.checkpoints / "hpc_ckpt_1.ckpt"), job.describe()
+    assert result["global_step"] == uninterrupted["global_step"], job.describe()
+    assert result["weights_sha256"] == uninterrupted["weights_sha256"], job.describe() + "\n" + reference.describe()
+    assert result["test_samples"] == 359 and result["test_accuracy"] >= 0.95, job.describe()
+
+
+def _tasks(ids: str) -> list[int]:
+    """srun's task list ("0-1", "0,2-3", "1") as numbers."""
+    return [t for part in ids.split(",") for t in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)]
