@@ -324,6 +324,8 @@ class _Continued(keras.callbacks.Callback):
         """What a commit keeps of the callback: whether it began, and its plain attributes (copies)."""
         if not self._began:
             return {"type": self.kind(self), "began": False, "attrs": None}
+        if isinstance(self.hvdp_inner, _keras_rank0.RankZero) and not self.hvdp_inner.began:
+            return {"type": self.kind(self), "began": True, "attrs": None}  # a writer's state is rank 0's
         user = self.user
         attrs = {k: copy.deepcopy(v) for k, v in vars(user).items() if k not in ("params", "_params") and _plain(v)}
         if isinstance(user, keras.callbacks.CSVLogger) and "append_header" in attrs:
@@ -360,7 +362,8 @@ class _Continued(keras.callbacks.Callback):
         size = restore.pop("hvdp_csv_size", None)
         user = self.user
         for k, v in restore.items():
-            setattr(user, k, copy.deepcopy(v))
+            if _plain(getattr(user, k, None)):  # what it holds (an open file, a writer) stays its own
+                setattr(user, k, copy.deepcopy(v))
         if size is not None and isinstance(user, keras.callbacks.CSVLogger) and _open_file(user):
             user.csv_file.flush()  # the rows written after the commit are written again: take them back
             user.csv_file.truncate(size)
