@@ -374,3 +374,50 @@ def test_unprivileged_build_and_main_job_on_python(unprivileged, version, framew
     result = result_line(out["job"])  # check_consistency() in the example raised had the replicas diverged
     print(f"Python {version}, {framework}: {took} s; test accuracy {result['test_accuracy']}")
     assert result["world_size"] == 2 and result["test_accuracy"] >= 0.97, result
+
+
+# A GPU server's three toolkit layouts (issue 46), each built for real as a user without root would: a fresh
+# Python 3.11 venv, `pip install './hvdp[torch,build]'` (PyPI's torch, a CUDA 13.0 build, and its
+# nvidia-nccl-cu13), `hvdp build-horovod` with no flags (the NCCL variant), `hvdp doctor`, and a Gloo all-reduce
+# of CPU tensors at np=2 through the wheel. Each layout gets its own wheel cache, so each one really builds
+# (about 10 minutes each on 2 cores); pip's downloads are cached in CACHE for a rerun.
+GPU_LAYOUTS = {  # layout: (what the user runs before the build, where the plan must find the toolkit)
+    "usr-local-cuda": ("", "/usr/local/cuda-13.0 (the toolkit of /usr/local/bin/nvcc)"),
+    "pip-toolkit": ("pip install -q 'cuda-toolkit[nvcc,crt,nvvm,cccl]==13.0.*' && ",
+                    "site-packages/nvidia/cu13 (pip's nvidia-cuda-nvcc in this env)"),
+    "cuda-home": ("cp -r /usr/local/cuda-13.0 $HOME/toolkits-cuda-13.0 && export CUDA_HOME=$HOME/toolkits-cuda-13.0 && ",
+                  "toolkits-cuda-13.0 ($CUDA_HOME)"),
+}
+
+
+@install
+@pytest.mark.timeout(7200)
+@pytest.mark.parametrize("layout", list(GPU_LAYOUTS))
+def test_unprivileged_gpu_server_build_with_no_flags_builds_nccl(unprivileged, layout):
+    if not Path("/usr/local/cuda-13.0/bin/nvcc").exists():
+        pytest.skip("no CUDA 13.0 toolkit in /usr/local/cuda-13.0 (the GPU server layout this test builds on)")
+    before, toolkit = GPU_LAYOUTS[layout]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    wheels = CACHE / f"hvdp-gpu-{layout}"
+    shutil.rmtree(wheels, ignore_errors=True)  # each layout's own build, every run: the point is the build
+    subprocess.run(["chown", "-R", f"{USER}:", str(CACHE)], check=True)
+    venv = f"venv-gpu-{layout}"
+    env = (f"export HVDP_CACHE_DIR={wheels} PIP_CACHE_DIR={CACHE}/pip PATH=$HOME/{venv}/bin:/usr/local/bin:$PATH; "
+           f"rm -rf $HOME/{venv} $HOME/toolkits-cuda-13.0; ")
+    allreduce = ("import horovod.torch as hvd, torch; hvd.init(); "
+                 "s = hvd.allreduce(torch.full((3,), hvd.rank() + 1.0), op=hvd.Sum); "
+                 "print('allreduce', hvd.rank(), s.tolist(), 'nccl_built', bool(hvd.nccl_built()))")
+    cmd = (f"{env}/usr/bin/python3.11 -m venv {venv} && pip install -q './hvdp[torch,build]' && {before}"
+           f"hvdp build-horovod && hvdp doctor; "
+           f"horovodrun --gloo -np 2 -H localhost:2 python -c \"{allreduce}\"")
+    start = time.monotonic()
+    proc = unprivileged(cmd, timeout=7000)
+    out = proc.stdout + proc.stderr
+    print(f"{layout}: {time.monotonic() - start:.0f} s in all;",
+          *[line for line in out.splitlines() if line.startswith("hvdp build-horovod: wheel")])
+    assert "NCCL GPU operations: torch is a CUDA 13" in out and toolkit in out, out[-6000:]
+    assert "installed in" in out, out[-6000:]
+    assert "Horovod's GPU operations: NCCL" in out, out[-6000:]
+    sums = [line for line in out.splitlines() if "allreduce" in line and "nccl_built True" in line]
+    assert len(sums) == 2 and all("[3.0, 3.0, 3.0]" in line for line in sums), out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
