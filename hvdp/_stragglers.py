@@ -38,6 +38,15 @@ history: list[dict] = []     # per period: {"steps", "ranks": table, "stragglers
 record: list | None = None   # when a list, every closed step's (input, compute, wait, optimizer, total) is kept here
 
 
+def periods() -> list[dict]:
+    """The straggler report's periods so far in this process, oldest first (at most the last 100): per period
+    {"steps": its steps, "ranks": {rank: {"host", "steps", and the median ms per step of "input", "compute",
+    "wait", "optimizer" and "step"}}, "stragglers": the lines rank 0 logged (empty on other ranks)}. Empty
+    before the first report, in a world of 1 and under elastic. For the logs: the result JSON, TensorBoard."""
+    return [{"steps": h["steps"], "ranks": {r: dict(v) for r, v in h["ranks"].items()},
+             "stragglers": list(h["stragglers"])} for h in history]
+
+
 def reset() -> None:
     """Forget the periods so far (a new training run in the same process)."""
     global steps, _since, _period, _detector
@@ -92,12 +101,25 @@ def step_begin() -> tuple[float, float]:
 def step_end(hvd, began: tuple[float, float]) -> None:
     """An optimizer step that began at `began` (step_begin()) ended: close the step; report when a period is
     over. Every rank calls it at the same optimizer steps."""
-    global steps, _since
     if not ON:
         return
     now = perf_counter()
     ACCOUNT.ended(now, (now - began[0]) - (ACCOUNT.wait_s - began[1]) if ACCOUNT.wait_s >= began[1]
                   else now - began[0])
+    _count(hvd)
+
+
+def closed(hvd, step: tuple[float, float, float, float, float]) -> None:
+    """A step the adapter measured whole, (input, compute, wait, optimizer, total) seconds (Keras's fit, whose
+    compiled step marks its own parts: hvdp/_keras_steps.py); report when a period is over. Every rank calls it
+    at the same steps."""
+    if ON:
+        ACCOUNT.steps.append(tuple(max(0.0, float(v)) for v in step))
+        _count(hvd)
+
+
+def _count(hvd) -> None:
+    global steps, _since
     steps += 1
     _since += 1
     if _since >= (_period or int(_setting("HVDP_STRAGGLER_STEPS", _core.FIRST_STEPS))):

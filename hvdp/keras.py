@@ -37,7 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdp import _keras_backend, _keras_checks, _keras_data, _keras_rank0, _keras_stop, _preemption
+from hvdp import _keras_backend, _keras_checks, _keras_data, _keras_rank0, _keras_steps, _keras_stop, _preemption
 from hvdp.core import checkpoint as ckpt
 from hvdp.core.errors import ConfigError, HvdpError
 from hvdp.core.world import World
@@ -502,7 +502,9 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
       given to fit after these callbacks (hvdp/_keras_rank0.py); one given to fit before them, or a TensorBoard
       given to fit directly, is a ConfigError at fit's start on every rank (they have already run there);
     - makes a `model.stop_training = True` set by any callback on one rank every rank's, at the same step
-      (hvdp/_keras_stop.py: carried by the next step's gradient all-reduce, or settled at the epoch's end).
+      (hvdp/_keras_stop.py: carried by the next step's gradient all-reduce, or settled at the epoch's end);
+    - times each step's input, compute, gradient wait and update on every rank, for the straggler report
+      (hvdp/_keras_steps.py; HVDP_STEP_ACCOUNTING=0 turns it off).
 
     Learning-rate scaling and warmup live in DistributedOptimizer (a LearningRateSchedule), not here.
     Every rank must call it and pass the callbacks to the same model.fit; model.fit runs collectives in them.
@@ -519,7 +521,7 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
 
     Returns:
         [DistributedCallback, the keras_callbacks (the writers wrapped), fit's progress bar silenced on ranks
-        other than 0].
+        other than 0, the step timing].
 
     Raises:
         ConfigError: `checkpoint_dir` without `data`; `data` not from shard(); `keep` < 1.
@@ -528,7 +530,7 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
         raise ConfigError("callbacks(checkpoint_dir=...) needs data=<the dataset hvdp.keras.shard returned>: a "
                           "resumed fit must continue that dataset's epoch order, not restart it")
     return [DistributedCallback(data=data, checkpoint_dir=checkpoint_dir, keep=keep, average_metrics=average_metrics),
-            *_keras_rank0.wrap(list(keras_callbacks or [])), _RankZeroProgbar()]
+            *_keras_rank0.wrap(list(keras_callbacks or [])), _RankZeroProgbar(), _keras_steps.StepTimes()]
 
 
 # SyncBatchNormalization calls traced so far in each graph (a tf.function's trace): their all-reduces' names.

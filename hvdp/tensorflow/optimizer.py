@@ -9,7 +9,7 @@ import warnings
 import tensorflow as tf
 import keras
 
-from hvdp import _horovod, _keras_backend, _keras_checks, _keras_stop
+from hvdp import _horovod, _keras_backend, _keras_checks, _keras_steps, _keras_stop
 from hvdp.core.errors import ConfigError
 from hvdp.core.scaling import learning_rate, lr_multiplier
 from hvdp.tensorflow.gradients import _check_compression
@@ -293,7 +293,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             ConfigError: the first call has no `trainable_variables`; the first call runs inside Keras's model.fit
                 in a world of 2+ ranks without hvdp.keras.callbacks() (nothing broadcast rank 0's weights).
         """
-        grads = list(grads)
+        grads = _keras_steps.ready(self, list(grads))  # the time since the batch was there: compute (issue 47)
         self._check_fit()
         if not self.built:
             if trainable_variables is None:
@@ -304,9 +304,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         k = self.backward_passes_per_step
 
         def reduce_then_apply(gradients):  # hvdp.keras's callbacks add a rank's stop_training (hvdp/_keras_stop.py)
-            _keras_stop.reduce_then_apply(
-                self, gradients, variables, lambda averaged: self.inner_optimizer.apply(averaged, variables),
-                lambda g, v: _keras_backend.allreduce_gradients(g, compression=self.compression, variables=v))
+            _keras_stop.reduce_then_apply(   # ... and the step's marks (hvdp/_keras_steps.py: issue 47)
+                self, gradients, variables,
+                lambda averaged: _keras_steps.applied(self, self.inner_optimizer.apply(averaged, variables)),
+                lambda g, v: _keras_steps.reduced(
+                    self, _keras_backend.allreduce_gradients(g, compression=self.compression, variables=v)))
 
         if k == 1:
             reduce_then_apply(grads)

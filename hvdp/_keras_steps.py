@@ -1,0 +1,142 @@
+"""The step account of issue 47 on Keras's fit (both backends): each step's input, compute, gradient-wait and
+optimizer times, for hvdp's straggler report (hvdp/_stragglers.py, hvdp.core.stragglers).
+
+A fit step is one call of a compiled function on TensorFlow (steps_per_execution of them per call): no Python
+runs inside it. So the step marks its parts itself, with the wall clock (tf.timestamp(), time.time()'s
+clock): when its batch is there (the start of train_step, after the data), when its gradients are ready (the
+start of DistributedOptimizer.apply), when their all-reduce ended, and when the update ended. Each mark adds
+the time since the previous mark to its part's sum, in a variable (Marks). StepTimes, one of
+hvdp.keras.callbacks(), sets the first mark at the previous call's end (or the epoch's start: fit takes a
+batch before on_train_batch_begin on torch) and, at each call's end, closes one accounted step with the sums (so with steps_per_execution = s a record covers s steps;
+every rank has the same s); every K calls and at each epoch's end the ranks report (a collective every rank
+reaches at the same call). On torch the step runs eagerly and the marks are time.time() readings.
+
+What the parts mean is hvdp.core.stragglers's: input is the time from the call's start (or the last step's
+update) until the batch is there; compute until the last gradient; wait in the gradient all-reduce (where a
+fast rank waits for a slow one); optimizer the update. HVDP_STEP_ACCOUNTING=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import time
+
+import keras
+
+from hvdp import _keras_backend, _stragglers
+
+PARTS = ("input", "compute", "wait", "optimizer")
+
+
+class Marks:
+    """The sums of one call's parts and its last mark: on TensorFlow one float64 variable of 5 values
+    (last mark, input, compute, wait, optimizer) that the compiled step updates; on torch a list."""
+
+    def __init__(self):
+        self.torch = _keras_backend.on_torch()
+        if self.torch:
+            self.values = [0.0] * 5
+        else:
+            import tensorflow as tf
+            self.values = tf.Variable(tf.zeros(5, tf.float64), trainable=False, name="hvdp_step_marks")
+
+    def start(self, now: float) -> None:
+        """A call begins at `now` (time.time()): no part measured yet."""
+        if self.torch:
+            self.values = [now, 0.0, 0.0, 0.0, 0.0]
+        else:
+            self.values.assign([now, 0.0, 0.0, 0.0, 0.0])
+
+    def mark(self, part: str, after=()):
+        """The time since the last mark belongs to `part`; on TensorFlow the mark is taken once the tensors
+        `after` are computed (the batch, the gradients, the reduced gradients). Returns `after`."""
+        index = 1 + PARTS.index(part)
+        if self.torch:
+            now = time.time()
+            self.values[index] += now - self.values[0]
+            self.values[0] = now
+            return after
+        import tensorflow as tf
+        tensors = [t for t in tf.nest.flatten(after) if t is not None and not isinstance(t, tf.IndexedSlices)]
+        with tf.control_dependencies(tensors):
+            now = tf.timestamp()
+        last = self.values[0]
+        self.values.assign(tf.tensor_scatter_nd_add(
+            tf.tensor_scatter_nd_update(self.values, [[0]], [now]), [[index]], [now - last]))
+        return after
+
+    def read(self) -> list[float]:
+        """[last mark, input, compute, wait, optimizer] of this call."""
+        return list(self.values) if self.torch else [float(v) for v in self.values.numpy()]
+
+
+def marks(optimizer) -> Marks | None:
+    """The Marks a DistributedOptimizer's step writes (StepTimes attached them), or None (no accounting)."""
+    return getattr(optimizer, "_hvdp_marks", None)
+
+
+def ready(optimizer, grads):
+    """DistributedOptimizer.apply's start: the gradients are ready (the time since the batch was compute)."""
+    m = marks(optimizer)
+    return grads if m is None else m.mark("compute", grads)
+
+
+def reduced(optimizer, grads):
+    """The gradients' all-reduce ended (the time since they were ready was waiting)."""
+    m = marks(optimizer)
+    return grads if m is None else m.mark("wait", grads)
+
+
+def applied(optimizer, result=None):
+    """The wrapped optimizer's update ended."""
+    m = marks(optimizer)
+    return result if m is None else m.mark("optimizer", result)
+
+
+class StepTimes(keras.callbacks.Callback):
+    """Feeds the straggler report from fit (one of hvdp.keras.callbacks(), on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self._marks: Marks | None = None
+        self._began = 0.0
+        self._steps_at_epoch = 0
+
+    def on_train_begin(self, logs=None):
+        if not _stragglers.ON or _keras_backend.horovod().size() == 1:
+            return
+        optimizer, model = self.model.optimizer, self.model
+        self._marks = marks(optimizer)
+        if self._marks is not None and getattr(model, "_hvdp_marked_step", False):
+            return  # a later fit of the same model: its step carries the marks already
+        if self._marks is None:
+            optimizer._hvdp_marks = self._marks = Marks()
+        if not getattr(model, "_hvdp_marked_step", False):  # the batch's arrival, at train_step's start
+            step = model.train_step
+
+            def train_step(data):
+                m = marks(model.optimizer)
+                return step(data if m is None else m.mark("input", data))
+
+            model.train_step, model._hvdp_marked_step = train_step, True
+        model.make_train_function(force=True)  # the step now carries the marks
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._steps_at_epoch = _stragglers.steps
+        self._began = time.time()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # A call's time runs from the previous call's end: on torch fit takes the batch from its iterator
+        # before this callback (on TensorFlow the step takes it inside the compiled call).
+        if self._marks is not None:
+            self._marks.start(self._began)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._marks is not None:
+            now = time.time()
+            _, input_, compute, wait, optimizer = self._marks.read()
+            _stragglers.closed(_keras_backend.horovod(), (input_, compute, wait, optimizer, now - self._began))
+            self._began = now
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._marks is not None:
+            _stragglers.epoch_end(_keras_backend.horovod(), self._steps_at_epoch)

@@ -1,0 +1,142 @@
+"""Checks of the straggler report on Keras's fit (issue 47; hvdp/_keras_steps.py) in one launch, on the Keras
+backend KERAS_BACKEND names: a rank slow in its input or in its compute is named with its cause within two
+periods, with steps_per_execution 1 and (TensorFlow) 4; a balanced run names nobody. The last rank is made
+slow. Run by tests/tensorflow/test_keras_stragglers.py under horovodrun (MPI and Gloo)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import hvdp.keras as hk  # noqa: E402
+from hvdp import _keras_backend, _stragglers  # noqa: E402
+from tests.checks import check, main  # noqa: E402
+
+world = hk.init()
+SLOW = world.size - 1
+BATCH, PERIOD = 16, 10
+TORCH = _keras_backend.on_torch()
+
+
+def busy(seconds: float) -> None:
+    """`seconds` of CPU time in matrix products (this thread)."""
+    a = np.random.default_rng(0).standard_normal((64, 64))
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        a = np.tanh(a @ a)
+
+
+class Busy(keras.layers.Layer):
+    """Identity, with `seconds` of extra compute per call on the slow rank (a rank with more work per step)."""
+
+    def __init__(self, seconds: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds = seconds if world.rank == SLOW else 0.0
+
+    def call(self, x):
+        if not self.seconds:
+            return x
+        if TORCH:  # the step runs eagerly
+            busy(self.seconds)
+            return x
+        zero = tf.py_function(lambda: (busy(self.seconds), np.float32(0.0))[1], [], tf.float32)
+        zero.set_shape(())
+        return x + zero
+
+
+def train(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: float = 0.0, spe: int = 1) -> list[dict]:
+    """fit for `periods` reporting periods of `period` calls of the step (steps_per_execution `spe` steps each);
+    the slow rank sleeps `delay` s per sample read or computes `extra` s more per step. Returns the report's
+    history."""
+    _stragglers.reset()
+    os.environ["HVDP_STRAGGLER_STEPS"] = str(period)
+    n = BATCH * world.size * period * periods * spe
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((n, 32)).astype("float32"), rng.integers(0, 4, n)
+
+    def slow_read(xi, yi):
+        def sleep(v):
+            time.sleep(delay)
+            return v
+        out = tf.py_function(sleep, [xi], tf.float32)
+        out.set_shape(xi.shape)
+        return out, yi
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu"), Busy(extra),
+                              keras.layers.Dense(256, activation="relu"), keras.layers.Dense(4)])
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.01)), steps_per_execution=spe,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # the slow rank's samples are read one at a time, each `delay` s late (no parallel reads to hide it)
+    data = hk.shard((x, y), batch_size=BATCH, seed=0, map=slow_read if delay and world.rank == SLOW else None,
+                    num_parallel_calls=1)
+    model.fit(data, epochs=1, verbose=0, callbacks=hk.callbacks(data=data))
+    assert len(_stragglers.history) == periods, [h["steps"] for h in _stragglers.history]
+    return _stragglers.history
+
+
+def assert_named_within_two_periods(history: list[dict], cause: str) -> None:
+    """The slow rank is named, with its cause, in the second period of its being slow, and nobody before: from
+    the first period in which its median `cause` time is 20% above every other rank's (on TensorFlow the
+    input pipeline reads ahead while the first call traces the step, so a slow reader slows nobody at first)."""
+    if world.rank != 0:
+        return
+    slow = [all(h["ranks"][str(SLOW)][cause] > 1.2 * h["ranks"][str(r)][cause] for r in range(world.size) if r != SLOW)
+            for h in history]
+    assert True in slow[:-1], ("never slow in a period before the last", [h["ranks"] for h in history])
+    first = slow.index(True)
+    assert not any(h["stragglers"] for h in history[:first + 1]), history  # one period is never enough
+    lines = history[first + 1]["stragglers"]
+    what = "waiting for its input" if cause == "input" else "in compute"
+    assert len(lines) >= 1 and all(f"rank {SLOW} (host {socket.gethostname()}) is slow {what}" in line
+                                   for line in lines), (lines, [h["ranks"] for h in history])
+
+
+@check
+def balanced_fit_names_nobody_and_accounts_every_call(tmp):
+    """Three periods of 20 identical steps (the periods the rule needs to be robust to noise: 10-step ones named
+    a rank on this loaded 2-core machine once in a few runs)."""
+    history = train(3, period=20)
+    if world.rank == 0:
+        assert [line for h in history for line in h["stragglers"]] == [], [h["ranks"] for h in history]
+        for h in history:
+            for r in range(world.size):
+                row = h["ranks"][str(r)]
+                assert row["steps"] == 20, row
+                # the parts are measured (not zeros), each within the step (medians over the period, in ms)
+                assert row["compute"] > 0 and row["wait"] >= 0 and row["optimizer"] > 0, row
+                assert all(row[p] <= row["step"] * 1.05 for p in ("input", "compute", "wait", "optimizer")), row
+
+
+@check
+def slow_input_is_named_in_fit(tmp):
+    """The slow rank reads each sample 1.5 ms late (24 ms per batch)."""
+    assert_named_within_two_periods(train(3, delay=0.0015), "input")
+
+
+@check
+def slow_compute_is_named_in_fit(tmp):
+    """The slow rank computes 15 ms more per step."""
+    assert_named_within_two_periods(train(2, extra=0.015), "compute")
+
+
+@check
+def slow_compute_is_named_with_steps_per_execution_4(tmp):
+    """Four steps per compiled call (TensorFlow; Keras's torch backend takes 1 only): each record covers a call."""
+    if TORCH:
+        return
+    assert_named_within_two_periods(train(2, extra=0.015, spe=4), "compute")
+
+
+if __name__ == "__main__":
+    main(lambda obj: _keras_backend.horovod().allgather_object(obj, name="checks"), world.rank)
