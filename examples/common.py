@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+import hvdp
 from hvdp import TrainConfig
 from hvdp.core.errors import ConfigError, HvdpError
 from hvdp.core.records import frame
@@ -144,10 +145,20 @@ def summary(metrics: dict, *, framework: str, world_size: int, epochs: int, samp
             **extra) -> dict:
     """What a training run reports: `metrics` is what the adapter's evaluate() returned; `samples` is the
     training samples of all ranks; `extra` (a rank, a weights digest) is added as it is."""
+    last = hvdp.straggler_periods()[-1:]  # the straggler report's last period: each rank's step times
     return {"test_accuracy": round(metrics["accuracy"], 4), "test_loss": round(metrics["loss"], 4),
             "test_samples": metrics["samples"], "world_size": world_size, "epochs": epochs,
             "samples_per_sec": round(samples / seconds, 1) if seconds else 0.0, "seconds": round(seconds, 2),
-            "framework": framework, **extra}
+            "framework": framework, "step_times_ms": last[0]["ranks"] if last else {},
+            "stragglers": [line for p in hvdp.straggler_periods() for line in p["stragglers"]], **extra}
+
+
+def step_time_scalars() -> list[tuple[str, float]]:
+    """(TensorBoard tag, ms per step) of the straggler report's last period: each rank's median input,
+    compute, wait and optimizer time (rank 0 writes them each epoch)."""
+    last = hvdp.straggler_periods()[-1:]
+    return [(f"step_ms/{part}/rank{rank}", row[part]) for rank, row in (last[0]["ranks"].items() if last else ())
+            for part in ("input", "compute", "wait", "optimizer")]
 
 
 def report(metrics: dict, **fields) -> None:

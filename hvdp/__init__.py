@@ -6,7 +6,8 @@
     import hvdp.tensorflow as hvdp_tf      # TensorFlow custom loops
     import hvdp.keras as hvdp_keras        # Keras 3 model.fit
 
-Here: TrainConfig (the shared training flags), World (rank and size) and the error classes. Each public
+Here: TrainConfig (the shared training flags), World (rank and size), the error classes and
+straggler_periods() (the per-rank step times of the straggler report, for your logs). Each public
 function's contract: `python -m pydoc hvdp.torch` (or hvdp.tensorflow, hvdp.keras, hvdp.core.<module>).
 """
 
@@ -24,6 +25,17 @@ from hvdp.core.world import World
 
 __version__ = "0.1.0"
 
+
+def straggler_periods() -> list[dict]:
+    """The straggler report's periods so far in this process (docs/troubleshooting.md "My job is slower than
+    it should be"), oldest first, at most the last 100: per period {"steps", "ranks": {rank: {"host", "steps",
+    and the median ms per step of "input", "compute", "wait", "optimizer", "step"}}, "stragglers": the lines
+    rank 0 logged}. Every rank holds the table; only rank 0 the lines. Empty before the first report (the end
+    of an epoch of shard()'s loader or of fit, or K steps), in a world of 1 and under elastic. For your logs
+    (the examples put the last period in their result JSON and TensorBoard)."""
+    from hvdp import _stragglers
+    return _stragglers.periods()
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
@@ -35,4 +47,5 @@ __all__ = [
     "TrainConfig",
     "World",
     "__version__",
+    "straggler_periods",
 ]

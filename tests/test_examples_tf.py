@@ -23,6 +23,10 @@ def test_example_reaches_accuracy(framework, launcher):
     assert {"epochs", "samples_per_sec", "seconds", "test_loss"} <= result.keys()
     if framework == "keras":
         assert result["keras_backend"] == "tensorflow", result
+        times = result["step_times_ms"]  # the straggler report's last period (issue 47), from fit's steps
+        assert set(times) == {"0", "1"} and all(row["compute"] > 0 for row in times.values()), times
+    else:  # a custom loop keeps no step account (docs/troubleshooting.md)
+        assert result["step_times_ms"] == {}, result
 
 
 def test_keras_example_on_the_torch_backend():
@@ -36,6 +40,8 @@ def test_keras_example_on_the_torch_backend():
     assert result["framework"] == "keras" and result["world_size"] == 2, result
     assert result["test_accuracy"] >= 0.97, result
     assert result["test_samples"] == 359, result  # every test sample counted once, as on TensorFlow
+    times = result["step_times_ms"]  # the straggler report's last period (issue 47): both ranks', from fit
+    assert set(times) == {"0", "1"} and all(row["compute"] > 0 for row in times.values()), times
 
 
 def test_adasum_is_refused_with_the_fix():
