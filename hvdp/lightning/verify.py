@@ -177,11 +177,7 @@ def run(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: flo
     MLP of the torch experiment) on synthetic data of `input_shape`, the optimizer named `optimizer` for a torch
     module (a LightningModule brings its own)."""
     def build():
-        if factory is not None:
-            return factory()
-        import math
-        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), 32),
-                                   torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        return factory() if factory is not None else equivalence.default_torch_model(input_shape)
 
     def samples(n, model):
         with torch.no_grad():

@@ -60,6 +60,13 @@ def param_groups(module, lr: float, groups: int = 1) -> list[dict]:
     return [g for g in out if g["params"]]
 
 
+def default_torch_model(input_shape: tuple[int, ...]):
+    """The torch experiment's model when the user gives none: a small MLP of `input_shape` to 4 classes."""
+    import torch
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 4))
+
+
 def run(framework: str, **kw) -> dict:
     return {"torch": _torch, "tensorflow": _tensorflow, "keras": _keras}[framework](**kw)
 
@@ -404,10 +411,7 @@ def _torch(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: 
     import torch
 
     def build():
-        if factory is not None:
-            return factory()
-        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), 32),
-                                   torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        return factory() if factory is not None else default_torch_model(input_shape)
 
     def samples(n, model):
         if data is not None:

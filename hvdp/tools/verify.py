@@ -253,12 +253,17 @@ def _worker(args) -> int:
             optimizers=_sharded_optimizers(args), groups=2, **common), changed)
     optimizer = args.optimizer or "sgd"
     result = equivalence.run(args.framework, optimizer=optimizer, **common)
+    return _report(args, result, changed, _setup(args, result, optimizer))
+
+
+def _report(args, result: dict, changed: list[str], setup: str) -> int:
+    """Rank 0 prints the verdict line (`setup`: what was compared) and the `verify: {json}` line; every rank
+    returns the exit status (0: PASS)."""
     ok = result["max_abs_diff"] <= args.tolerance and result["replicas_identical"]
     if result["rank"] == 0:
-        verdict = "PASS" if ok else "FAIL"
         _print_deterministic(changed)
-        print(f"{_setup(args, result, optimizer)}: max |dw| = {result['max_abs_diff']:.3g} (tolerance "
-              f"{args.tolerance:g}); replicas identical: {result['replicas_identical']} -> {verdict}")
+        print(f"{setup}: max |dw| = {result['max_abs_diff']:.3g} (tolerance {args.tolerance:g}); replicas "
+              f"identical: {result['replicas_identical']} -> {'PASS' if ok else 'FAIL'}")
         causes = [] if ok else _print_failure(result)
         print("verify: " + json.dumps({**result, "tolerance": args.tolerance, "ok": ok,
                                        "deterministic_layers": changed, "causes": causes}, sort_keys=True),
@@ -274,18 +279,8 @@ def _lightning_worker(args, factory, shape: tuple, changed: list[str]) -> int:
     result = lightning_verify.run(optimizer=optimizer, steps=args.steps, batch_size=args.batch_size,
                                   accumulate=args.accumulate, lr=args.lr, seed=args.seed, factory=factory,
                                   input_shape=shape, leftover=args.leftover, shard=args.sharded, clip=args.clip)
-    ok = result["max_abs_diff"] <= args.tolerance and result["replicas_identical"]
-    if result["rank"] == 0:
-        _print_deterministic(changed)
-        label = "its configure_optimizers" if result["lightning_module"] else optimizer
-        print(f"{_setup(args, result, label)}, Lightning's Trainer: max |dw| = {result['max_abs_diff']:.3g} "
-              f"(tolerance {args.tolerance:g}); replicas identical: {result['replicas_identical']} -> "
-              f"{'PASS' if ok else 'FAIL'}")
-        causes = [] if ok else _print_failure(result)
-        print("verify: " + json.dumps({**result, "tolerance": args.tolerance, "ok": ok,
-                                       "deterministic_layers": changed, "causes": causes}, sort_keys=True),
-              flush=True)
-    return 0 if ok else 1
+    label = "its configure_optimizers" if result["lightning_module"] else optimizer
+    return _report(args, result, changed, f"{_setup(args, result, label)}, Lightning's Trainer")
 
 
 def _print_deterministic(changed: list[str]) -> None:

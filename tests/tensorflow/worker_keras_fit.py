@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 
 import hvdp.keras as hk  # noqa: E402
 from hvdp.core.sharding import ShardPlan  # noqa: E402
+from hvdp.tools import zoo_keras  # noqa: E402
 from tests.checks import check, main  # noqa: E402
 
 world = hk.init()
@@ -791,27 +792,7 @@ def sync_batchnorm_statistics_exact_at_large_input_means(tmp):
         assert mean_error <= 1e-6 and var_error <= 1e-5, (mean, mean_error, var_error)
 
 
-class _TwoPassBatchNormalization(keras.layers.BatchNormalization):
-    """One process's BatchNormalization computed in the layer's own dtype with the variance around the mean (two
-    passes), normalised by the backend's ops.batch_normalization (as Keras's and SyncBatchNormalization): the
-    reference, and in float32 the floor. Keras's own is no float64 reference on its torch backend: there its
-    call (and ops.mean) compute in result_type(float64, "float32"), which is float32, with E[x^2] - E[x]^2: 0.45
-    relative error in the variance at mean 3,000, which this check once took for hvdp's gradients."""
-
-    def call(self, inputs, training=None, mask=None):
-        x = keras.ops.cast(inputs, self.compute_dtype)
-        if training:
-            # sums over n, not ops.mean: on the torch backend ops.mean computes in result_type(dtype, "float32"),
-            # float32 for a float64 input
-            n = keras.ops.cast(keras.ops.shape(x)[0], x.dtype)
-            mean = keras.ops.sum(x, axis=self._reduction_axes) / n
-            variance = keras.ops.sum(keras.ops.square(x - mean), axis=self._reduction_axes) / n
-            self.moving_mean.assign(self.moving_mean * self.momentum + mean * (1.0 - self.momentum))
-            self.moving_variance.assign(self.moving_variance * self.momentum + variance * (1.0 - self.momentum))
-        else:
-            mean, variance = self.moving_mean, self.moving_variance
-        return keras.ops.batch_normalization(x, mean, variance, axis=self.axis, offset=self.beta, scale=self.gamma,
-                                             epsilon=self.epsilon)
+_TwoPassBatchNormalization = zoo_keras.TwoPassBatchNormalization  # the reference in float64 and the float32 floor
 
 
 @check
