@@ -7,9 +7,10 @@ clock): when its batch is there (the start of train_step, after the data), when 
 start of DistributedOptimizer.apply), when their all-reduce ended, and when the update ended. Each mark adds
 the time since the previous mark to its part's sum, in a variable (Marks). StepTimes, one of
 hvdp.keras.callbacks(), sets the first mark at the previous call's end (or the epoch's start: fit takes a
-batch before on_train_batch_begin on torch) and, at each call's end, closes one accounted step with the sums (so with steps_per_execution = s a record covers s steps;
-every rank has the same s); every K calls and at each epoch's end the ranks report (a collective every rank
-reaches at the same call). On torch the step runs eagerly and the marks are time.time() readings.
+batch before on_train_batch_begin on torch) and, at each call's end, closes one accounted step with the sums
+(so with steps_per_execution = s a record covers s steps; every rank has the same s); every K calls and at
+each epoch's end the ranks report (a collective every rank reaches at the same call). On torch the step runs
+eagerly and the marks are time.time() readings.
 
 What the parts mean is hvdp.core.stragglers's: input is the time from the call's start (or the last step's
 update) until the batch is there; compute until the last gradient; wait in the gradient all-reduce (where a

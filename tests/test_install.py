@@ -385,8 +385,8 @@ GPU_LAYOUTS = {  # layout: (what the user runs before the build, where the plan 
     "usr-local-cuda": ("", "/usr/local/cuda-13.0 (the toolkit of /usr/local/bin/nvcc)"),
     "pip-toolkit": ("pip install -q 'cuda-toolkit[nvcc,crt,nvvm,cccl]==13.0.*' && ",
                     "site-packages/nvidia/cu13 (pip's nvidia-cuda-nvcc in this env)"),
-    "cuda-home": ("cp -r /usr/local/cuda-13.0 $HOME/toolkits-cuda-13.0 && export CUDA_HOME=$HOME/toolkits-cuda-13.0 && ",
-                  "toolkits-cuda-13.0 ($CUDA_HOME)"),
+    "cuda-home": ("cp -r /usr/local/cuda-13.0 $HOME/toolkits-cuda-13.0 && "
+                  "export CUDA_HOME=$HOME/toolkits-cuda-13.0 && ", "toolkits-cuda-13.0 ($CUDA_HOME)"),
 }
 
 
