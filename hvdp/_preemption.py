@@ -74,6 +74,17 @@ def disable() -> None:
     _settings, _armed, _agreement = None, False, None
 
 
+def reinstall() -> None:
+    """Put hvdp's handlers back on its stop signals, as enable() set them (after a library replaced them:
+    Lightning's signal connector composes its own over them while fit runs); a no-op when off."""
+    if _settings is None:
+        return
+    for name in _settings.signals:
+        sig = signal.Signals[name]
+        signal.signal(sig, _handle)
+        signal.siginterrupt(sig, False)
+
+
 def enabled() -> bool:
     """Whether preemption handling is on in this process."""
     return _settings is not None

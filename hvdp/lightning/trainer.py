@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import signal
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -228,7 +227,7 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
         # hvdp's handlers rule (every rank stops after the same step); the connector's teardown restores them.
         self._asked_at = None
         if _preemption.enabled():
-            _hvdp_handlers_back()
+            _preemption.reinstall()
 
     def _preempted(self) -> None:
         """After each optimizer step (asked as the next batch begins, before it is counted): when hvdp's
@@ -328,13 +327,6 @@ def _unwrapped(optimizer):
     return optimizer
 
 
-def _hvdp_handlers_back() -> None:
-    """Put hvdp's stop-signal handlers (hvdp._preemption's, installed by init(preemption=True)) back in place of
-    what Lightning's signal connector composed over them."""
-    for name in _preemption._settings.signals:
-        sig = signal.Signals[name]
-        signal.signal(sig, _preemption._handle)
-        signal.siginterrupt(sig, False)  # as init() set them: system calls restart
 
 
 def _clip_the_model(precision_plugin) -> None:
