@@ -32,9 +32,10 @@ PEER_ROUNDS ?= 20
 PEER_LOG ?= build/soak-horovod.jsonl
 soak-horovod: setup
 	mkdir -p $(dir $(PEER_LOG)) && rm -f $(PEER_LOG)
-	-HVDP_PEER_FULL=1 HVDP_PEER_NP=2 HVDP_PEER_ROUNDS=$(PEER_ROUNDS) HVDP_PEER_TIMEOUT=900 \
-		HVDP_PEER_LOG=$(abspath $(PEER_LOG)) $(PY) -m pytest -q tests/test_peer_horovod.py -k test_peer_suite
-	$(PY) -c "from tests.test_peer_horovod import summarize; print(summarize('$(PEER_LOG)'))"
+	HVDP_PEER_FULL=1 HVDP_PEER_NP=2 HVDP_PEER_ROUNDS=$(PEER_ROUNDS) HVDP_PEER_TIMEOUT=900 \
+		HVDP_PEER_LOG=$(abspath $(PEER_LOG)) $(PY) -m pytest -q tests/test_peer_horovod.py -k test_peer_suite; \
+	status=$$?; $(PY) -c "from tests.test_peer_horovod import summarize; print(summarize('$(PEER_LOG)'))"; \
+	exit $$status
 
 test-install: setup
 	HVDP_TEST_INSTALL=1 $(PY) -m pytest -q tests/test_install.py

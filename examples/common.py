@@ -145,12 +145,12 @@ def summary(metrics: dict, *, framework: str, world_size: int, epochs: int, samp
             **extra) -> dict:
     """What a training run reports: `metrics` is what the adapter's evaluate() returned; `samples` is the
     training samples of all ranks; `extra` (a rank, a weights digest) is added as it is."""
-    last = hvdp.straggler_periods()[-1:]  # the straggler report's last period: each rank's step times
+    periods = hvdp.straggler_periods()  # the straggler report: the last period's step times, every line
     return {"test_accuracy": round(metrics["accuracy"], 4), "test_loss": round(metrics["loss"], 4),
             "test_samples": metrics["samples"], "world_size": world_size, "epochs": epochs,
             "samples_per_sec": round(samples / seconds, 1) if seconds else 0.0, "seconds": round(seconds, 2),
-            "framework": framework, "step_times_ms": last[0]["ranks"] if last else {},
-            "stragglers": [line for p in hvdp.straggler_periods() for line in p["stragglers"]], **extra}
+            "framework": framework, "step_times_ms": periods[-1]["ranks"] if periods else {},
+            "stragglers": [line for p in periods for line in p["stragglers"]], **extra}
 
 
 def step_time_scalars() -> list[tuple[str, float]]:

@@ -81,7 +81,6 @@ class _Horovod:
     def world_size(self) -> int:
         return hvd.size()
 
-
     def reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
         if not isinstance(tensor, torch.Tensor):
             return tensor
