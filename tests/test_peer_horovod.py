@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -113,8 +112,7 @@ def run_suite(files: list[str], launcher: str, np: int, tmp: Path, select: str |
     try:
         out, _ = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
-        for pid in reversed(rotation.descendants([proc.pid])):  # the ranks too, not only horovodrun
-            rotation.kill(pid, signal.SIGKILL)
+        rotation.kill_tree([proc.pid])  # the ranks too, not only horovodrun
         out, _ = proc.communicate()
         _log(files, launcher, np, time.monotonic() - start, "hang", {})
         pytest.fail(f"{files} under {launcher} at np={np} did not end in {TIMEOUT:.0f} s (a hang)\n{out[-3000:]}")

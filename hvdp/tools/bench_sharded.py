@@ -5,7 +5,6 @@ the largest GPT that trains under a per-rank memory cap, sharded and not (benchm
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -94,8 +93,7 @@ def memory_cap(cap_mib: int, np_: int, launch: Callable[[list[str]], list[str]],
             out, rc = stdout + stderr, job.returncode
         except subprocess.TimeoutExpired:
             # the launcher and every rank below it: a rank left behind spun at 70% of a core for 1.5 hours
-            for pid in rotation.descendants([job.pid]):
-                rotation.kill(pid, signal.SIGKILL)
+            rotation.kill_tree([job.pid])
             stdout, stderr = job.communicate()
             out, rc = stdout + stderr, "timeout"
         found = []

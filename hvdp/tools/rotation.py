@@ -175,6 +175,27 @@ def kill(pid: int, sig: int) -> None:
         pass
 
 
+def kill_tree(roots: list[int], timeout: float = 10.0) -> list[int]:
+    """SIGKILL `roots` and every process below them, and return once none of them runs any more (exited or a
+    zombie), or after `timeout`: a killed process may still be running for a moment after the signal is sent,
+    holding its memory and CPU while the next job starts. Returns the processes killed."""
+    pids = descendants(roots)
+    for pid in reversed(pids):  # the deepest first: a rank does not outlive its launcher by a reparenting
+        kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return pids
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def descendants(roots: list[int]) -> list[int]:
     """`roots` and every process below them (by parent pid: torchrun's workers are in sessions of their own)."""
     children: dict[int, list[int]] = {}
