@@ -60,11 +60,12 @@ def busy(seconds: float) -> None:
 
 
 def train(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: float = 0.0, work: float = 0.0,
-          by_epoch: bool = False, sharded: bool = False) -> list[dict]:
+          idle: float = 0.0, by_epoch: bool = False, sharded: bool = False) -> list[dict]:
     """Train `periods` reporting periods of PERIOD steps; return the report's history (rank 0's findings).
 
     delay: the slow rank's seconds per sample read; extra: its seconds of extra compute per step; work: every
-    rank's CPU seconds of compute per step (the same work everywhere); by_epoch: the periods end with shard()'s
+    rank's CPU seconds of compute per step (the same work everywhere); idle: every rank's seconds of sleep in
+    its compute per step; by_epoch: the periods end with shard()'s
     epochs (each PERIOD steps long) instead of every PERIOD steps; sharded: shard_optimizer_state=True, in
     buckets of 64 KiB (6 for this model), so that a rank waits for the others' reductions inside its backward
     pass (at most two buckets in flight)."""
@@ -87,6 +88,8 @@ def train(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: floa
                     busy(extra)
                 if work:
                     busy(work)
+                if idle:
+                    time.sleep(idle)
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
@@ -113,10 +116,14 @@ def assert_named_within_two_periods(history: list[dict], cause: str) -> None:
 
 @check
 def balanced_run_names_nobody(tmp):
-    """Four periods of 20 steps of identical ranks: no line; each rank's per-step times are recorded
-    (tests/torch/test_stragglers.py re-cuts them 20 ways)."""
+    """Four periods of 20 steps of identical ranks, each step's compute 10 ms longer (a sleep, as a GPU step
+    leaves its CPU waiting): no line; each rank's per-step times are recorded (tests/torch/test_stragglers.py
+    re-cuts them 20 ways). Without the 10 ms, the model's 0.6 ms of compute is where rank 0's extra CPU work (its
+    Horovod coordinator) shows at np=3 on 2 cores: CI once measured rank 0's compute at 2x the others' for two
+    periods (1.6 and 1.2 ms against 0.6). CPU work instead of the sleep is no balanced run there either: two
+    ranks share a core, and which two changes (re-cuts named ranks computing 31% above the others)."""
     _stragglers.record = []
-    history = train(4, period=20)
+    history = train(4, period=20, idle=0.01)
     steps = _stragglers.record
     _stragglers.record = None
     everyone = ht.hvd.allgather_object(steps, name="test.stragglers.record")
