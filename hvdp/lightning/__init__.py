@@ -23,7 +23,8 @@ What it does to the Trainer's run (docs/lightning.md):
 accumulate_grad_batches, gradient_clip_val/algorithm and precision="bf16-mixed" (or fp16 with a GradScaler, through
 Lightning's MixedPrecision plugin) keep one process's meaning. One optimizer (configure_optimizers returning more is
 a ConfigError). HorovodStrategy(shard_optimizer_state=True) prepares it with hvdp.torch's sharded optimizer
-(ZeRO-1/2): gradient_clip_val clips by the norm across the shards; not with accumulate_grad_batches > 1.
+(ZeRO-1/2): gradient_clip_val clips by the norm across the shards; accumulate_grad_batches sums its passes'
+gradients in the model and reduces them to the shards after the last.
 HorovodStrategy(preemption=True) (or HVDP_PREEMPTION=1): a stop signal on any rank makes every rank write
 Lightning's HPC checkpoint after the same step and exit 75 (requeue); a fit under Slurm resumes from it.
 

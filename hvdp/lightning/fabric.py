@@ -98,6 +98,13 @@ class HorovodFabricStrategy(_Horovod, fabric.strategies.ParallelStrategy):
         # the model's parameters: torch's clip_grad_value_, guarded by hvdp.torch.sharded, clamps the shards
         return torch.nn.utils.clip_grad_value_(prepared._params(), clip_value=clip_val)
 
+    def save_checkpoint(self, path, state: dict, storage_options: Any = None, filter=None) -> None:
+        # fabric.save(path, {"optimizer": optimizer}) hands Fabric the _Prepared it holds, which Fabric takes for
+        # any object with a state_dict(): the prepared optimizer instead, whose state Fabric's
+        # get_optimizer_state gathers on rank 0 (consolidate_state_dict) when it is sharded
+        state = {k: v._prepared if isinstance(v, _Prepared) else v for k, v in state.items()}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("hvdp", cls, description="hvdp's data parallelism on Horovod for Fabric",

@@ -40,8 +40,10 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
         sync_batchnorm: replace the module's BatchNorm layers by hvdp's SyncBatchNorm (default False).
         shard_optimizer_state: ZeRO-1/2 (default False): prepare()'s sharded optimizer, each rank holding the
             optimizer state of 1/N of the parameters; gradient_clip_val clips by the global norm (or value)
-            across the shards; checkpoints hold the full state (gathered on rank 0). Not with
-            accumulate_grad_batches > 1 (ConfigError).
+            across the shards; checkpoints hold the full state (gathered on rank 0). With
+            accumulate_grad_batches = k, the k passes' gradients are summed in the model's full gradients and
+            reduced to the shards after the last (the optimizer state stays split; the gradients are held whole
+            until then, as without sharding).
         preemption: hvdp's preemption handling (hvdp.torch.init's; default None: HVDP_PREEMPTION=1, else off).
             On, a stop signal (SIGTERM, SIGUSR1) on any rank makes every rank, after the same optimizer step,
             write Lightning's HPC checkpoint (hpc_ckpt_<n>.ckpt in the Trainer's default_root_dir, the one its
@@ -55,8 +57,7 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
 
     Raises:
         ConfigError: configure_optimizers returned more than one optimizer; a training loader with its own
-            batch_sampler (hvdp splits by batch_size); shard_optimizer_state=True with accumulate_grad_batches
-            > 1; prepare()'s and shard()'s own checks.
+            batch_sampler (hvdp splits by batch_size); prepare()'s and shard()'s own checks.
     """
 
     strategy_name = "hvdp"
@@ -116,14 +117,12 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
         if not self.optimizers:
             _ht.broadcast(self.lightning_module)
             return
-        if self._prepare_kwargs["shard_optimizer_state"] and trainer.accumulate_grad_batches > 1:
-            # post_backward hands each pass's gradients to the shards, and the next pass's would replace them
-            raise ConfigError(f"strategy='hvdp' with shard_optimizer_state=True steps after every backward pass, and "
-                              f"the Trainer has accumulate_grad_batches={trainer.accumulate_grad_batches}: pass "
-                              f"accumulate_grad_batches=1 (a per-rank batch that many times larger gives the same "
-                              f"steps), or shard_optimizer_state=False", rank=self.global_rank)
         raw = self._raw = _unwrapped(self.optimizers[0])
         prepared = _ht.prepare(self.lightning_module, raw, **self._prepare_kwargs)
+        if isinstance(prepared, ShardedOptimizer):
+            # accumulate_grad_batches: the passes' gradients summed in the model, reduced to the shards after
+            # the last (post_backward); Lightning divides the loss by k
+            prepared.sum_passes(trainer.accumulate_grad_batches)
         schedule = prepared.hvdp_schedule
         # The schedulers hold `raw`. prepare()'s broadcast loads rank 0's state_dict into the other ranks'
         # optimizer, which gives it new param-group dicts: `raw` takes them, so that a scheduler's rates are the
@@ -154,8 +153,17 @@ class HorovodStrategy(_Horovod, strategies.ParallelStrategy):
         # averaged here, after each backward pass (accumulated passes: the sum of averages, as one process sums)
         for optimizer in self.optimizers:
             optimizer = _unwrapped(optimizer)
+            if isinstance(optimizer, ShardedOptimizer) and self._accumulating():
+                continue  # its gradients are reduced after the step's last pass (sum_passes)
             if hasattr(optimizer, "hvdp_schedule"):
                 optimizer.synchronize()
+
+    def _accumulating(self) -> bool:
+        """Whether this backward pass is one of accumulate_grad_batches that the optimizer does not step after
+        (Lightning's own decision: the epoch's last batch steps after fewer)."""
+        trainer = self.lightning_module.trainer
+        return (trainer.accumulate_grad_batches > 1 and trainer.training
+                and trainer.fit_loop.epoch_loop._should_accumulate())
 
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         optimizer = _unwrapped(optimizer)
@@ -325,8 +333,6 @@ def _unwrapped(optimizer):
     while hasattr(optimizer, "_optimizer") or isinstance(optimizer, _StepAfterClosure):
         optimizer = optimizer.optimizer if isinstance(optimizer, _StepAfterClosure) else optimizer._optimizer
     return optimizer
-
-
 
 
 def _clip_the_model(precision_plugin) -> None:

@@ -235,6 +235,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         self._owned: list[_Owned] = []
         self._stand_in = None  # a 0-element parameter for GradScaler on a rank that steps nothing (_stand_in_grad)
         self._passes, self._counts = schedule.passes, {}
+        self._reduce_after = self._passes  # backward passes whose gradients are summed before they are reduced
         # this step's reductions: every unit started (("b", bucket) or ("o", owned index)) -> its place in the
         # backward pass's order (1, 2, ...; 0: started by synchronize()), and those not yet synchronized, in order
         self._started: dict[tuple, int] = {}
@@ -437,10 +438,11 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         if not self._queued:  # hvdp (issue 47): mark this pass's last gradient ready when the pass ends
             self._queued = at_end_of_backward(self._end_of_backward)
         seen = self._counts[id(param)] = self._counts.get(id(param), 0) + 1
-        if seen > self._passes:
+        if seen > self._reduce_after:
             raise ConfigError(f"a gradient was computed {seen} times before step(), with backward_passes_per_step="
-                              f"{self._passes}: call step() every {self._passes} backward pass(es)", rank=self._rank)
-        if seen == self._passes:
+                              f"{self._reduce_after}: call step() every {self._reduce_after} backward pass(es)",
+                              rank=self._rank)
+        if seen == self._reduce_after:
             i = self._bucket_of.get(id(param))
             if i is not None:
                 self._missing[i] -= 1
@@ -542,6 +544,17 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
             if o.owner == self._rank:
                 o.param.grad = self._compression.decompress(reduced, ctx).to(o.param.dtype).view_as(o.param)
         del reduced
+
+    def sum_passes(self, k: int) -> None:
+        """Reduce each gradient after k backward passes, summed as they come, where prepare() was given
+        backward_passes_per_step=1: the loss is divided by k already and the rate is not scaled by k (Lightning's
+        accumulate_grad_batches; hvdp.lightning calls it). The model's full gradients are held until the k-th
+        pass, as without sharding; a step after fewer passes (an epoch's end) reduces what there is when
+        synchronize() runs."""
+        if self._passes != 1 or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"sum_passes({k!r}): k must be an integer >= 1, on an optimizer prepared with "
+                              f"backward_passes_per_step=1 (got {self._passes})", rank=self._rank)
+        self._reduce_after = k
 
     def synchronize(self) -> None:
         """Finish this step's reductions: each bucket's shard parameter gets its slice of the average (or sum,

@@ -19,9 +19,9 @@ WORKER = Path(__file__).with_name("worker_lightning.py")
 
 TMP = {}  # the launch's folder, by (launcher, np): its checkpoints for test_resume_on_one_process
 
-# np=2 under both controllers; np=3 (a world that splits the batches and the data otherwise: the last global batch
-# 3+3+3, the resize check's 3 steps an epoch) under Gloo, as the zoo's np=3 world (suite budget: ~40 s a launch)
-WORLDS = [("mpi", 2), ("gloo", 2), ("gloo", 3)]
+# np=2 and np=3 (a world that splits the batches and the data otherwise: the last global batch 3+3+3, the resize
+# check's 3 steps an epoch) under both controllers: ~40 s a launch
+WORLDS = [("mpi", 2), ("gloo", 2), ("mpi", 3), ("gloo", 3)]
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"{launcher}-np{np}" for launcher, np in WORLDS])

@@ -24,7 +24,6 @@ import torch.nn.functional as F  # noqa: E402
 pl = importlib.import_module(os.environ.get("TEST_LIGHTNING_PACKAGE", "lightning.pytorch"))
 import hvdp.torch as ht  # noqa: E402
 import hvdp.lightning as hl  # noqa: E402
-from hvdp.core.errors import ConfigError  # noqa: E402
 from hvdp.core.sharding import epoch_order  # noqa: E402
 from hvdp.torch.sharded import ShardedOptimizer  # noqa: E402
 from tests.checks import check, main  # noqa: E402
@@ -288,14 +287,21 @@ def sharded_clips_by_value_as_one_process(tmp):
 
 
 @check
-def sharded_with_accumulation_raises_on_every_rank(tmp):
-    try:
-        trainer(strategy=hl.HorovodStrategy(seed=SEED, shard_optimizer_state=True), accumulate_grad_batches=2).fit(
-            Net("sgd"), torch.utils.data.DataLoader(data(n_train()), batch_size=B, shuffle=True))
-    except ConfigError as e:
-        assert "accumulate_grad_batches=2" in str(e) and "accumulate_grad_batches=1" in str(e), str(e)
-    else:
-        raise AssertionError("no ConfigError")
+def sharded_with_accumulation_and_clipping_equals_one_process(tmp):
+    # accumulate_grad_batches=3 over an epoch of 4 batches: a step after 3 passes, then one after the epoch's
+    # last pass alone (the uneven, weighted batch); Adam's state split, clipped by the norm across the shards
+    module = Net("adam")
+    t = trainer(strategy=hl.HorovodStrategy(seed=SEED, shard_optimizer_state=True), accumulate_grad_batches=3,
+                gradient_clip_val=0.05)
+    dataset = data(n_train())
+    t.fit(module, torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True))
+    sharded_state_is_split(trainer_optimizer(t), module)
+    same_on_every_rank(module)
+    dw = max_dw(module, reference(module, dataset, accumulate=3, clip=0.05))
+    print(f"[rank {world.rank}] sharded Adam, accumulate 3, clipped: max |dw| {dw:.3g}", file=sys.stderr)
+    assert dw < 1e-5, dw
+    for other in ({"accumulate": 3}, {"clip": 0.05}):  # both settings matter: one process without either is far
+        assert max_dw(module, reference(module, dataset, **other)) > 1e-3, other
 
 
 def trainer_optimizer(t: pl.Trainer):
@@ -324,9 +330,11 @@ def manual_optimization_equals_one_process(tmp):
     fit_and_compare(Manual())
 
 
-def fabric_loop(strategy, clip: float) -> None:
+def fabric_loop(strategy, clip: float, resume: Path | None = None) -> None:
     """The user's own loop under Fabric(strategy=...), with fabric.backward and fabric.clip_gradients, against
-    one process with the global batch."""
+    one process with the global batch. With `resume`: fabric.save of the model and the optimizer after epoch 1,
+    fabric.load into a new model (its weights zeroed) and optimizer (no momentum yet) set up anew, epoch 2 on
+    those."""
     fabric_module = importlib.import_module("lightning.fabric" if pl.__name__ == "lightning.pytorch"
                                             else "lightning_fabric")
     fabric = fabric_module.Fabric(strategy=strategy, accelerator="cpu")
@@ -336,6 +344,14 @@ def fabric_loop(strategy, clip: float) -> None:
     model, opt = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9))
     loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=True))
     for epoch in range(2):
+        if epoch == 1 and resume is not None:
+            fabric.save(resume, {"model": model, "optimizer": opt})
+            module = Net("sgd")
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.zero_()
+            model, opt = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9))
+            fabric.load(resume, {"model": model, "optimizer": opt})
         for x, y in loader:
             opt.zero_grad()
             fabric.backward(F.mse_loss(model(x), y))
@@ -358,8 +374,10 @@ def fabric_loop_with_clipping_equals_one_process(tmp):
 
 @check
 def fabric_sharded_with_clipping_equals_one_process(tmp):
-    # shard_optimizer_state=True: fabric.clip_gradients clips by the norm across the ranks' shards
-    fabric_loop(hl.HorovodFabricStrategy(seed=SEED, shard_optimizer_state=True), clip=0.5)
+    # shard_optimizer_state=True: fabric.clip_gradients clips by the norm across the ranks' shards; saved with
+    # fabric.save (the momentum gathered on rank 0) and loaded into a new model and optimizer in between
+    fabric_loop(hl.HorovodFabricStrategy(seed=SEED, shard_optimizer_state=True), clip=0.5,
+                resume=Path(tmp) / "fabric-sharded.ckpt")
 
 
 class RankDependent(Net):
