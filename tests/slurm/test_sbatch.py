@@ -1,8 +1,9 @@
 """examples/slurm.sbatch on a real Slurm cluster (conftest.py): the main job with each launcher the script
 offers, on one node and across two; jobs preempted mid-epoch (SIGUSR1 to the ranks, SIGUSR1 to the batch
 shell, `scontrol requeue`) that requeue and end with the same weights as an uninterrupted job; a Lightning job
-(examples/train_lightning.py) requeued the same way, against an uninterrupted one; and a job suspended longer
-than the watchdog's limit that still finishes.
+(examples/train_lightning.py) requeued the same way, against an uninterrupted one; a job suspended longer
+than the watchdog's limit that still finishes; and a long job's whole life (life.py: a GPT with sharded AdamW
+requeued, a rank killed, resubmitted on two nodes) against its uninterrupted twin.
 
 Every job is submitted at once, from a directory outside the checkout, and Slurm runs them as its two nodes
 (2 CPUs each) free up; the fixture sends each disturbance once that job's first checkpoint exists (so during
@@ -12,6 +13,8 @@ run), its output file and its result line.
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import shutil
 import sys
@@ -23,11 +26,12 @@ import pytest
 import torch
 
 from tests.launch import ROOT, result_line
+from tests.slurm import life as lifetime
 
 pytestmark = pytest.mark.slurm
 
 SCRIPT = ROOT / "examples" / "slurm.sbatch"
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+ENDED = lifetime.ENDED  # a job's states once it is over (a requeued run's record says PENDING)
 SUSPEND_SECONDS = 12
 WATCHDOG_TIMEOUT = "4"  # the suspended job's HVDP_WATCHDOG_TIMEOUT: the suspension is 3x longer
 
@@ -93,6 +97,10 @@ LIGHTNING = {
                              ("--nodes=1", "--ntasks-per-node=2"), "requeue", first="checkpoints/epoch=*.ckpt",
                              args=LIGHTNING_ARGS),
 }
+# A long job's whole life (life.py): the short one among these jobs; HVDP_LIFE_CYCLES=n (`make soak-life`)
+# runs only the long ones, n cycles each
+CYCLES = int(os.environ["HVDP_LIFE_CYCLES"]) if os.environ.get("HVDP_LIFE_CYCLES") else None
+LIVES = ["life"] if CYCLES is None else ["life-same-size", "life-resized"]
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +111,10 @@ def jobs(slurm, tmp_path_factory) -> dict:
             for (launcher, nodes), allocation in UNINTERRUPTED.items()}
     todo.update(DISTURBED)
     todo.update(LIGHTNING)
+    # the long job's life first: its runs and resubmissions are the longest chain of this batch
+    lives = lifetime.lives(work, CYCLES)
+    for life in lives.values():
+        life.submit(slurm)
     # A user's copy, outside the checkout, without the --ntasks-per-node line: HVDP_ROOT names the checkout
     edited = work / "edited.sbatch"
     edited.write_text("".join(line for line in SCRIPT.read_text().splitlines(keepends=True)
@@ -112,6 +124,8 @@ def jobs(slurm, tmp_path_factory) -> dict:
     # path, as docs/recipes.md's Slurm recipe says (`--python`, `--script`, then `--` and the script's flags)
     shutil.copy(ROOT / "examples" / "train_torch.py", work / "my_train.py")
     todo[("srun", 2)].args = ("--python", sys.executable, "--script", "{work}/my_train.py")
+    if CYCLES is not None:  # the soak: its lives alone
+        todo = {}
     for key, job in todo.items():
         name = re.sub(r"\W+", "-", str(key)).strip("-")
         job.out, job.checkpoints = work / f"{name}.out", work / f"{name}-checkpoints"
@@ -121,13 +135,14 @@ def jobs(slurm, tmp_path_factory) -> dict:
         job.id = slurm.sbatch(*job.allocation, "--cpus-per-task=1", f"--output={job.out}", str(script), *args,
                               cwd=work, HVDP_LAUNCHER=job.launcher, HVDP_CHECKPOINT_DIR=str(job.checkpoints),
                               **job.env)
-    deadline = time.monotonic() + 900
+    todo.update(lives)
+    deadline = time.monotonic() + (900 if CYCLES is None else 900 + 300 * CYCLES)
     while any(j.ended is None for j in todo.values()):
         if time.monotonic() > deadline:
-            slurm.run("scancel", *(str(j.id) for j in todo.values() if j.ended is None), check=False)
+            slurm.run("scancel", *(str(j.id) for j in todo.values() if j.ended is None and j.id), check=False)
             break
         for job in todo.values():
-            _drive(slurm, job)
+            job.drive(slurm) if isinstance(job, lifetime.Life) else _drive(slurm, job)
         time.sleep(0.1)
     slurm.wait_idle(120)
     report = "\n".join(f"  job {j.id:2d} {j.label}: {len(j.runs)} run(s), {j.ended - j.submitted:.0f} s from "
@@ -249,3 +264,90 @@ def test_lightning_job_requeued_by_slurm_resumes_from_its_hpc_checkpoint_with_th
 def _tasks(ids: str) -> list[int]:
     """srun's task list ("0-1", "0,2-3", "1") as numbers."""
     return [t for part in ids.split(",") for t in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)]
+
+
+@pytest.mark.parametrize("name", LIVES)
+def test_a_long_jobs_life_ends_with_the_uninterrupted_weights(jobs, name):
+    """tests/slurm/life_train.py (GPT, AdamW with sharded state, bf16 autocast, 2 accumulated passes, clipping,
+    2 DataLoader workers per rank reading files, a checkpoint every k=4 steps) through its plan (life.py):
+    `scontrol requeue` (every process signalled: one checkpoint, exit 75, Slurm requeues it on its one node),
+    rank 1 killed with SIGKILL (the job fails; the user resubmits it, on two nodes). No run trains more than k
+    steps twice, every checkpoint loads, those written before any change of world size and the end of a life
+    that never changed it equal the uninterrupted job's bit for bit; across sizes the end is within
+    life.RELATIVE of the distance trained since the resize (bf16 rounding, docs/elastic.md)."""
+    life, reference = jobs[name], jobs["life-reference"]
+    assert [r["JobState"] for r in reference.runs] == ["COMPLETED"], reference.describe()
+    assert [e for e, _ in life.events] == life.plan, "the plan was not lived out:\n" + life.describe()
+    assert life.runs and life.runs[-1]["JobState"] == "COMPLETED", life.describe()
+    out = life.output()
+    assert "exited unexpectedly" not in out, life.describe()  # the DataLoader workers outlived every signal
+    runs = lifetime.segments(out)
+    assert len(runs) == len(life.runs), f"{runs}\n" + life.describe()
+    assert runs[0]["resumed"] is None, f"{runs}\n" + life.describe()
+    assert all(r["resumed"] is not None for r in runs[1:]), f"{runs}\n" + life.describe()
+    # each run ended as its event said: a requeue with its checkpoint and exit 75, a kill failed the job
+    ends = [e for e in life.plan if not e.startswith("resubmit")]
+    for run, record, event in zip(runs, life.runs, ends):
+        if event == "requeue":
+            assert run["requeued"] and record["JobState"] == "PENDING", (run, record, life.describe())
+        else:
+            assert not run["requeued"] and record["JobState"] == "FAILED", (run, record, life.describe())
+    kills = re.findall(r"srun: error: \S+: task 1: Killed", out)  # srun ends the job at once, naming the rank
+    assert len(kills) == life.plan.count("kill"), life.describe()
+    redone = lifetime.redone(runs)
+    assert all(0 <= r <= life.k for r in redone), f"steps redone {redone} (k={life.k})\n" + life.describe()
+    assert all(r == 0 for r, e in zip(redone, ends) if e == "requeue"), (redone, life.describe())
+    sizes = [2]  # a requeued run keeps its allocation, a resubmitted one has the plan's (nodes x ranks)
+    for event in life.plan:
+        if event == "requeue":
+            sizes.append(sizes[-1])
+        elif event != "kill":
+            sizes.append(math.prod(int(n) for n in event.split()[1].split("x")))
+    assert [r["size"] for r in runs] == sizes, f"{runs}\n" + life.describe()
+    # every checkpoint loads; before the first change of world size they are the uninterrupted job's
+    changed = next((r["resumed"] for r in runs if r["size"] != 2), None)
+    mine = sorted(life.checkpoints.glob("ckpt-*.pt"))
+    theirs = {p.name: lifetime.load(p) for p in sorted(reference.checkpoints.glob("ckpt-*.pt"))}
+    compared = 0
+    for path in mine:
+        payload = lifetime.load(path)
+        step = payload["hvdp"]["step"]
+        if path.name in theirs and (changed is None or step <= changed):
+            other = theirs[path.name]
+            for part in ("model", "optimizer"):
+                assert _equal(payload[part], other[part]), f"{path.name}: {part} differs\n" + life.describe()
+            compared += 1
+    assert compared >= 2, (compared, [p.name for p in mine])
+    last = f"ckpt-{life.epochs * life.k:08d}.pt"
+    end, uninterrupted = lifetime.load(life.checkpoints / last)["model"], theirs[last]["model"]
+    seconds = [_seconds(r) for r in life.runs]
+    if changed is None:
+        assert life.result()["weights_sha256"] == reference.result()["weights_sha256"], life.describe()
+        assert _equal(end, uninterrupted)
+        worst, relative = 0.0, 0.0
+    else:
+        start = theirs[f"ckpt-{changed:08d}.pt"]["model"]
+        worst, relative = lifetime.distance(end, uninterrupted, start)
+        assert relative <= lifetime.RELATIVE and worst <= lifetime.ABSOLUTE, (worst, relative, life.describe())
+    print(f"\n{name}: world sizes {sizes}, steps redone per interruption {list(zip(ends, redone))}, "
+          f"seconds per run {seconds}, {len(mine)} checkpoints loaded ({compared} equal to the uninterrupted job's), "
+          f"end vs uninterrupted: max |dw| {worst:.2e}, relative {relative:.2e}; "
+          f"{life.ended - life.submitted:.0f} s from submission to the end")
+
+
+def _equal(a, b) -> bool:
+    """Two state_dicts (nested dicts, lists and tensors) equal in every bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b
+
+
+def _seconds(record: dict) -> int:
+    """A run's time from its jobcomp record (StartTime to EndTime)."""
+    from datetime import datetime
+    start, end = (datetime.fromisoformat(record[k]) for k in ("StartTime", "EndTime"))
+    return round((end - start).total_seconds())
