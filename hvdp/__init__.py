@@ -36,6 +36,7 @@ def straggler_periods() -> list[dict]:
     from hvdp import _stragglers
     return _stragglers.periods()
 
+
 __all__ = [
     "CheckpointError",
     "ConfigError",

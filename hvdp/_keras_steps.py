@@ -19,6 +19,7 @@ fast rank waits for a slow one); optimizer the update. HVDP_STEP_ACCOUNTING=0 tu
 
 from __future__ import annotations
 
+import os
 import time
 
 import keras
@@ -94,13 +95,17 @@ def applied(optimizer, result=None):
 
 
 class StepTimes(keras.callbacks.Callback):
-    """Feeds the straggler report from fit (one of hvdp.keras.callbacks(), on every rank)."""
+    """Feeds the straggler report from fit (one of hvdp.keras.callbacks(), on every rank). `boards`: the user's
+    keras.callbacks.TensorBoard callbacks, into whose log_dir's train run rank 0 writes each epoch's last
+    period (step_ms/<part>/rank<r>, at the epoch)."""
 
-    def __init__(self):
+    def __init__(self, boards=()):
         super().__init__()
         self._marks: Marks | None = None
         self._began = 0.0
         self._steps_at_epoch = 0
+        self._boards = list(boards)
+        self._writers: dict[str, object] = {}
 
     def on_train_begin(self, logs=None):
         if not _stragglers.ON or _keras_backend.horovod().size() == 1:
@@ -139,5 +144,19 @@ class StepTimes(keras.callbacks.Callback):
             self._began = now
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._marks is not None:
-            _stragglers.epoch_end(_keras_backend.horovod(), self._steps_at_epoch)
+        if self._marks is None:
+            return
+        hvd = _keras_backend.horovod()
+        _stragglers.epoch_end(hvd, self._steps_at_epoch)
+        rows = _stragglers.scalars()
+        if not self._boards or not rows or hvd.rank() != 0:
+            return
+        import tensorflow as tf  # TensorBoard's writer (Keras's TensorBoard needs it on either backend)
+        for board in self._boards:
+            where = os.path.join(str(board.log_dir), "train")
+            if where not in self._writers:
+                self._writers[where] = tf.summary.create_file_writer(where)
+            with self._writers[where].as_default():
+                for tag, value in rows:
+                    tf.summary.scalar(tag, value, step=epoch)
+            self._writers[where].flush()

@@ -47,6 +47,14 @@ def periods() -> list[dict]:
              "stragglers": list(h["stragglers"])} for h in history]
 
 
+def scalars() -> list[tuple[str, float]]:
+    """(TensorBoard tag, ms per step) of the last period: step_ms/<part>/rank<r> for each rank's median input,
+    compute, wait and optimizer time; empty before the first period."""
+    last = history[-1:]
+    return [(f"step_ms/{part}/rank{rank}", row[part]) for rank, row in (last[0]["ranks"].items() if last else ())
+            for part in ("input", "compute", "wait", "optimizer")]
+
+
 def reset() -> None:
     """Forget the periods so far (a new training run in the same process)."""
     global steps, _since, _period, _detector

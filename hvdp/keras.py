@@ -504,7 +504,8 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
     - makes a `model.stop_training = True` set by any callback on one rank every rank's, at the same step
       (hvdp/_keras_stop.py: carried by the next step's gradient all-reduce, or settled at the epoch's end);
     - times each step's input, compute, gradient wait and update on every rank, for the straggler report
-      (hvdp/_keras_steps.py; HVDP_STEP_ACCOUNTING=0 turns it off).
+      (hvdp/_keras_steps.py; HVDP_STEP_ACCOUNTING=0 turns it off); with a TensorBoard in `keras_callbacks`,
+      rank 0 writes each epoch's figures into its log_dir's train run (step_ms/<part>/rank<r>).
 
     Learning-rate scaling and warmup live in DistributedOptimizer (a LearningRateSchedule), not here.
     Every rank must call it and pass the callbacks to the same model.fit; model.fit runs collectives in them.
@@ -530,7 +531,8 @@ def callbacks(*, data=None, checkpoint_dir: str | Path | None = None, keep: int 
         raise ConfigError("callbacks(checkpoint_dir=...) needs data=<the dataset hvdp.keras.shard returned>: a "
                           "resumed fit must continue that dataset's epoch order, not restart it")
     return [DistributedCallback(data=data, checkpoint_dir=checkpoint_dir, keep=keep, average_metrics=average_metrics),
-            *_keras_rank0.wrap(list(keras_callbacks or [])), _RankZeroProgbar(), _keras_steps.StepTimes()]
+            *_keras_rank0.wrap(list(keras_callbacks or [])), _RankZeroProgbar(),
+            _keras_steps.StepTimes([c for c in keras_callbacks or [] if isinstance(c, keras.callbacks.TensorBoard)])]
 
 
 # SyncBatchNormalization calls traced so far in each graph (a tf.function's trace): their all-reduces' names.

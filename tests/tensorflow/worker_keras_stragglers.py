@@ -54,10 +54,11 @@ class Busy(keras.layers.Layer):
         return x + zero
 
 
-def train(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: float = 0.0, spe: int = 1) -> list[dict]:
-    """fit for `periods` reporting periods of `period` calls of the step (steps_per_execution `spe` steps each);
-    the slow rank sleeps `delay` s per sample read or computes `extra` s more per step. Returns the report's
-    history."""
+def train(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: float = 0.0, spe: int = 1,
+          epochs: int = 1, callbacks: list | None = None) -> list[dict]:
+    """fit for `periods` reporting periods of `period` calls of the step (steps_per_execution `spe` steps each)
+    per epoch; the slow rank sleeps `delay` s per sample read or computes `extra` s more per step; `callbacks`
+    go to hvdp.keras.callbacks(keras_callbacks=...). Returns the report's history."""
     _stragglers.reset()
     os.environ["HVDP_STRAGGLER_STEPS"] = str(period)
     n = BATCH * world.size * period * periods * spe
@@ -80,8 +81,8 @@ def train(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: floa
     # the slow rank's samples are read one at a time, each `delay` s late (no parallel reads to hide it)
     data = hk.shard((x, y), batch_size=BATCH, seed=0, map=slow_read if delay and world.rank == SLOW else None,
                     num_parallel_calls=1)
-    model.fit(data, epochs=1, verbose=0, callbacks=hk.callbacks(data=data))
-    assert len(_stragglers.history) == periods, [h["steps"] for h in _stragglers.history]
+    model.fit(data, epochs=epochs, verbose=0, callbacks=hk.callbacks(data=data, keras_callbacks=callbacks))
+    assert len(_stragglers.history) == periods * epochs, [h["steps"] for h in _stragglers.history]
     return _stragglers.history
 
 
@@ -136,6 +137,36 @@ def slow_compute_is_named_with_steps_per_execution_4(tmp):
     if TORCH:
         return
     assert_named_within_two_periods(train(2, extra=0.015, spe=4), "compute")
+
+
+@check
+def tensorboard_gets_each_epochs_step_times(tmp):
+    """A keras.callbacks.TensorBoard given to hvdp.keras.callbacks: rank 0 writes each epoch's last period into
+    its train run, step_ms/<part>/rank<r> at the epoch, the report's figures; one writer (rank 0's)."""
+    board = Path(tmp) / f"board-{os.environ.get('KERAS_BACKEND')}"
+    ends = []
+
+    class LastPeriod(keras.callbacks.Callback):  # after StepTimes: the period that epoch's end closed
+        def on_epoch_end(self, epoch, logs=None):
+            ends.append(_stragglers.periods()[-1]["ranks"])
+
+    history = train(1, period=5, epochs=2, callbacks=[keras.callbacks.TensorBoard(str(board)), LastPeriod()])
+    assert len(history) == 2 and len(ends) == 2
+    if world.rank != 0:
+        return
+    found: dict[str, dict] = {}  # event file -> {(tag, step): value}
+    for f in sorted((board / "train").glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(f)):
+            for v in event.summary.value:
+                if v.tag.startswith("step_ms/"):
+                    found.setdefault(f.name, {})[(v.tag, event.step)] = float(tf.make_ndarray(v.tensor))
+    assert len(found) == 1, sorted(found)  # one writer
+    written = next(iter(found.values()))
+    expected = {(f"step_ms/{part}/rank{r}", epoch): row[part] for epoch, ranks in enumerate(ends)
+                for r, row in ranks.items() for part in ("input", "compute", "wait", "optimizer")}
+    assert set(written) == set(expected), (sorted(written), sorted(expected))
+    assert all(abs(written[k] - expected[k]) <= 1e-6 * max(1.0, abs(expected[k])) for k in expected), \
+        (written, expected)
 
 
 if __name__ == "__main__":
