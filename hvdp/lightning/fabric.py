@@ -95,7 +95,7 @@ class HorovodFabricStrategy(_Horovod, fabric.strategies.ParallelStrategy):
         if not isinstance(prepared, ShardedOptimizer):
             return super().clip_gradients_value(module, optimizer, clip_val)
         self.precision.unscale_gradients(optimizer)
-        # the model's parameters: torch's clip_grad_value_, guarded by hvdp.torch.sharded, clamps the shards
+        # the model's parameters: torch's clip_grad_value_, guarded by hvdp.torch.sharded_clip, clamps the shards
         return torch.nn.utils.clip_grad_value_(prepared._params(), clip_value=clip_val)
 
     def save_checkpoint(self, path, state: dict, storage_options: Any = None, filter=None) -> None:

@@ -339,7 +339,7 @@ def _clip_the_model(precision_plugin) -> None:
     """Make `precision_plugin`'s gradient clipping (gradient_clip_val) clip a sharded optimizer's gradients by
     their global norm (or value). Lightning clips main_params(optimizer), the optimizer's parameters: a sharded
     optimizer's are this rank's flat shards, whose norm is one rank's part of the whole. Given the model's
-    parameters instead, torch's clip_grad_norm_/clip_grad_value_ (guarded by hvdp.torch.sharded) clip the shards
+    parameters instead, torch's clip_grad_norm_/clip_grad_value_ (guarded by hvdp.torch.sharded_clip) clip the shards
     by the norm across all of them, as one process clips its gradients. Once per plugin."""
     if getattr(precision_plugin.main_params, "hvdp_sharded", False):
         return

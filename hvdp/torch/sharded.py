@@ -726,9 +726,10 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer):
         _stragglers.step_end(hvd, began)  # every K steps, the straggler report (a collective: every rank is here)
 
     def _gather_parameters(self) -> None:
-        """Broadcast each owned parameter from its owner; all-gather the updated shards into the model's parameters, one bucket at a time: each gathered bucket
-        is a transient copy of its parameters, and with every bucket's gather in flight at once (fused by
-        Horovod into one buffer as large) the step's peak held a second copy of the model: on hvdp bench's GPT
+        """Broadcast each owned parameter from its owner; all-gather the updated shards into the model's
+        parameters, one bucket at a time: each gathered bucket is a transient copy of its parameters, and with
+        every bucket's gather in flight at once (fused by Horovod into one buffer as large) the step's peak held
+        a second copy of the model: on hvdp bench's GPT
         (AdamW, np=2, two 32 MiB buckets; glibc's mmap threshold fixed, so that RSS follows what is live) its
         peak RSS rise was 293 MiB, 256 MiB one bucket at a time. Gathers kept in flight up to 32 MiB (8 MiB
         buckets) were no faster there (26.2-27.1 samples/s against 26.3-29.0 one at a time)."""
