@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 NP    ?= 2
 
-.PHONY: setup test test-fast soak train bench docker-test docker-test-cuda clean setup-cuda test-cuda-build gpu-wheels test-install test-horovod soak-horovod
+.PHONY: setup test test-fast soak train bench docker-test docker-test-cuda clean setup-cuda test-cuda-build gpu-wheels test-install test-horovod soak-horovod soak-life
 
 setup:
 	@bash scripts/setup.sh
@@ -47,6 +47,13 @@ EPOCHS ?= 400
 soak: setup
 	HVDP_SOAK_ITERATIONS=$(ITERATIONS) $(PY) -m pytest -q tests/torch/test_inflight.py
 	HVDP_SOAK_EPOCHS=$(EPOCHS) $(PY) -m pytest -q tests/torch/test_worker_starts.py
+
+# One job's whole life at length on the tests' Slurm cluster (tests/slurm/life.py; needs root and the Slurm
+# packages): LIFE_CYCLES cycles of `scontrol requeue`, kill -9 of a rank and a resubmission, for a life whose world
+# size never changes (bit for bit) and one resized 2 -> 4 -> 2 ranks; the short life runs in `make test`.
+LIFE_CYCLES ?= 3
+soak-life: setup
+	HVDP_LIFE_CYCLES=$(LIFE_CYCLES) $(PY) -m pytest -q -s --durations=5 tests/slurm/test_sbatch.py -k long_jobs_life
 
 train: setup
 	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) $(PY) examples/train_torch.py
