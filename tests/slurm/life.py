@@ -53,7 +53,7 @@ class Life:
     epochs: int
     k: int                       # steps per epoch: a checkpoint every k steps
     work: Path
-    step_seconds: float = 0.1
+    step_seconds: float = 0.2  # a pause per step (sleeping, no CPU): a window of seconds for each event
     jobs: list[int] = field(default_factory=list)
     events: list[tuple[str, float]] = field(default_factory=list)  # (event, when), as sent
     runs: list[dict] = field(default_factory=list)                  # every job's jobcomp records, in order
