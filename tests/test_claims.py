@@ -255,10 +255,11 @@ def _code(path: str) -> str:
 
 # The cross-page statements issue 49's audit found contradicting each other or the code: each is checked.
 CONTRADICTIONS = {
-    # 1. the README's clipping recipe clips the shards, or raises (hvdp/torch/sharded.py's _clip_norm)
+    # 1. the README's clipping recipe clips the shards, or raises (hvdp/torch/sharded_clip.py's _clip_norm)
     "sharded clipping: the recipe works": lambda: not re.search(r"cannot work here: after the reduce-scatter",
                                                                 prose(DOCS / "pytorch.md"))
-    and re.search(r"_guarded\(torch\.nn\.utils\.clip_grad_norm_,\s*_clip_norm\)", _code("hvdp/torch/sharded.py"))
+    and re.search(r"_guarded\(torch\.nn\.utils\.clip_grad_norm_,\s*_clip_norm\)",
+                  _code("hvdp/torch/sharded_clip.py"))
     and "torch_clip_grad_norm_on_the_model_clips_the_shards" in _code("tests/torch/worker_sharded.py"),
     # 2. hvdp.keras runs on the torch backend: no page says it refuses it
     "keras torch backend is not refused": lambda: all(
