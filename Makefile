@@ -10,7 +10,7 @@ setup:
 	@bash scripts/setup.sh
 
 test: setup
-	$(PY) -m pytest -q --durations=40 tests
+	$(PY) -m pytest -q --durations=0 --durations-min=10 tests
 
 # The in-process core tests only: seconds, no launcher.
 test-fast:
