@@ -194,12 +194,12 @@ def run(*, optimizer: str, steps: int, batch_size: int, accumulate: int, lr: flo
 def zoo_worker(steps: int, batch_size: int) -> int:
     """`hvdp verify --zoo --framework lightning`'s launch: the torch zoo's cases (hvdp.tools.zoo.torch_cases), each
     model wrapped in a LightningModule (_Wrapped: the case's loss, optimizer and fine-tuning calls) and fit by the
-    Trainer on strategy="hvdp", on the paths zoo.lightning_paths gives; rank 0 prints one zoo record per case."""
+    Trainer on strategy="hvdp", on each case's paths; rank 0 prints one zoo record per case."""
     from hvdp.tools import zoo
 
     world = ht.init()
     for case in zoo.torch_cases():
-        for path in zoo.lightning_paths(case):
+        for path in case.paths:
             def compute(case=case, path=path):
                 result = compare_lightning(
                     build=case.build, optimizer=case.optimizer, data=case.data, loss=case.loss, lr=case.lr,

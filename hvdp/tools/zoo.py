@@ -287,12 +287,6 @@ def torch_cases() -> list[Case]:
     ]
 
 
-def lightning_paths(case: Case) -> tuple[str, ...]:
-    """The paths a torch case runs on through Lightning's Trainer (`--framework lightning`): its own, less the
-    sharded one with accumulation (HorovodStrategy(shard_optimizer_state=True) refuses accumulate_grad_batches > 1)."""
-    return tuple(p for p in case.paths if not (p == "sharded" and case.accumulate > 1))
-
-
 def expected_records(framework: str | None = None, keras_backend: str | None = None) -> list[tuple[str, str, str]]:
     """(framework, path, name) of every case line `hvdp verify --zoo` must print here."""
     return [record for part, backend in launches(framework, keras_backend) for record in _expected(part, backend)]
@@ -507,7 +501,7 @@ def _expected(part: str, backend: str | None) -> list[tuple[str, str, str]]:
     if part == "torch":
         return [("torch", p, c.name) for c in torch_cases() for p in c.paths]
     if part == "lightning":
-        return [("lightning", p, c.name) for c in torch_cases() for p in lightning_paths(c)]
+        return [("lightning", p, c.name) for c in torch_cases() for p in c.paths]
     return [(framework, backend, name) for name, (framework, backends) in keras_cases().items() if backend in backends]
 
 

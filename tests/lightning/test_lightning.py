@@ -151,8 +151,8 @@ def test_a_killed_rank_ends_the_job_soon_naming_it(launcher):
 
 def test_verify_zoo_through_lightning_passes():
     # `hvdp verify --zoo --framework lightning`: the torch zoo's models, each wrapped in a LightningModule and fit
-    # by the Trainer on strategy="hvdp" (both paths; accumulate's sharded run is refused by the strategy), against
-    # one plain process; one launch, np=2 under Gloo (40 s; the Lightning checks above run np=3 too)
+    # by the Trainer on strategy="hvdp" (both paths, accumulate's sharded one included), against one plain
+    # process; one launch, np=2 under Gloo (40 s; the Lightning checks above run np=3 too)
     from hvdp.tools import zoo
     from tests.test_cli import hvdp
     proc = hvdp("verify", "--zoo", "--framework", "lightning", "--np", "2", "--gloo", timeout=600)
@@ -160,7 +160,7 @@ def test_verify_zoo_through_lightning_passes():
     summary = result_line(out, zoo.SUMMARY)
     printed = {(c["framework"], c["path"], c["name"]) for c in summary["cases"]}
     expected = set(zoo.expected_records(framework="lightning"))
-    assert printed == expected and len(expected) == 2 * len(zoo.torch_cases()) - 1, (sorted(printed), out[-3000:])
+    assert printed == expected and len(expected) == 2 * len(zoo.torch_cases()), (sorted(printed), out[-3000:])
     failed = [zoo.format_line(c) for c in summary["cases"] if not c["ok"]]
     assert not failed and proc.returncode == 0 and summary["ok"], "\n".join(failed) + "\n" + out[-3000:]
     for case in summary["cases"]:
