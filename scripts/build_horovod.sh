@@ -131,6 +131,16 @@ apply_fixes() {
         "$1/horovod/common/util.py"
     grep -q "^EXTENSIONS = \['torch', 'tensorflow', 'mxnet'\]$" "$1/horovod/common/util.py" \
         || { echo "extension order patch failed" >&2; exit 1; }
+    # Fix 19: horovodrun's rendezvous server forgot which ranks had finished every scope whenever one scope
+    # was complete (it cleared all the scopes' lists), so a scope a rank had finished before another's
+    # completion never counted as complete and kept its keys. The next init after hvd.shutdown() under Gloo
+    # read a peer's stale address: "connect [127.0.0.1]:17332: Connection refused", thrown in Horovod's
+    # background thread, SIGABRT (issue 52: 1 in 15 runs of Horovod's duplicate-name tests, whose tearDown
+    # shuts down after each test). Only the completed scope's list is dropped now.
+    sed -i 's/^                        self.server.finished_list.clear()$/                        del self.server.finished_list[scope]/' \
+        "$1/horovod/runner/http/http_server.py"
+    grep -q '^                        del self.server.finished_list\[scope\]$' "$1/horovod/runner/http/http_server.py" \
+        || { echo "rendezvous scope patch failed" >&2; exit 1; }
     # Addition (not a repair): hvdp's shared-memory allreduce for ranks on one host, tried before MPI's.
     # csrc/horovod/shm_operations.cc says how it works; it is off unless HVDP_SHM_ALLREDUCE=1.
     cp "$csrc/shm_operations.h" "$csrc/shm_operations.cc" "$1/horovod/common/ops/"
