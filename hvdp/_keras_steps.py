@@ -153,10 +153,15 @@ class StepTimes(keras.callbacks.Callback):
             return
         import tensorflow as tf  # TensorBoard's writer (Keras's TensorBoard needs it on either backend)
         for board in self._boards:
-            where = os.path.join(str(board.log_dir), "train")
-            if where not in self._writers:
-                self._writers[where] = tf.summary.create_file_writer(where)
-            with self._writers[where].as_default():
+            # the callback's own train writer (one event file, as the callback alone writes); a writer of ours
+            # into its train run where a Keras without it has none
+            writer = getattr(board, "_train_writer", None)
+            if writer is None:
+                where = os.path.join(str(board.log_dir), "train")
+                if where not in self._writers:
+                    self._writers[where] = tf.summary.create_file_writer(where)
+                writer = self._writers[where]
+            with writer.as_default():
                 for tag, value in rows:
                     tf.summary.scalar(tag, value, step=epoch)
-            self._writers[where].flush()
+            writer.flush()
