@@ -19,7 +19,6 @@ fast rank waits for a slow one); optimizer the update. HVDP_STEP_ACCOUNTING=0 tu
 
 from __future__ import annotations
 
-import os
 import time
 
 import keras
@@ -105,7 +104,6 @@ class StepTimes(keras.callbacks.Callback):
         self._began = 0.0
         self._steps_at_epoch = 0
         self._boards = list(boards)
-        self._writers: dict[str, object] = {}
 
     def on_train_begin(self, logs=None):
         if not _stragglers.ON or _keras_backend.horovod().size() == 1:
@@ -153,14 +151,7 @@ class StepTimes(keras.callbacks.Callback):
             return
         import tensorflow as tf  # TensorBoard's writer (Keras's TensorBoard needs it on either backend)
         for board in self._boards:
-            # the callback's own train writer (one event file, as the callback alone writes); a writer of ours
-            # into its train run where a Keras without it has none
-            writer = getattr(board, "_train_writer", None)
-            if writer is None:
-                where = os.path.join(str(board.log_dir), "train")
-                if where not in self._writers:
-                    self._writers[where] = tf.summary.create_file_writer(where)
-                writer = self._writers[where]
+            writer = board._train_writer  # the callback's own (one event file, as the callback alone writes)
             with writer.as_default():
                 for tag, value in rows:
                     tf.summary.scalar(tag, value, step=epoch)
