@@ -37,27 +37,34 @@ def busy(seconds: float) -> None:
 
 
 class Busy(keras.layers.Layer):
-    """Identity, with `seconds` of extra compute per call on the slow rank (a rank with more work per step)."""
+    """Identity, with `seconds` of extra compute per call on the slow rank (a rank with more work per step),
+    after `idle` s of sleep on every rank (a step that leaves its CPU waiting, as a GPU step does)."""
 
-    def __init__(self, seconds: float = 0.0, **kwargs):
+    def __init__(self, seconds: float = 0.0, idle: float = 0.0, **kwargs):
         super().__init__(**kwargs)
         self.seconds = seconds if world.rank == SLOW else 0.0
+        self.idle = idle
+
+    def work(self) -> None:
+        time.sleep(self.idle)
+        busy(self.seconds)
 
     def call(self, x):
-        if not self.seconds:
+        if not (self.seconds or self.idle):
             return x
         if TORCH:  # the step runs eagerly
-            busy(self.seconds)
+            self.work()
             return x
-        zero = tf.py_function(lambda: (busy(self.seconds), np.float32(0.0))[1], [], tf.float32)
+        zero = tf.py_function(lambda: (self.work(), np.float32(0.0))[1], [], tf.float32)
         zero.set_shape(())
         return x + zero
 
 
-def train(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: float = 0.0, spe: int = 1,
-          epochs: int = 1, callbacks: list | None = None) -> list[dict]:
+def train(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: float = 0.0, idle: float = 0.0,
+          spe: int = 1, epochs: int = 1, callbacks: list | None = None) -> list[dict]:
     """fit for `periods` reporting periods of `period` calls of the step (steps_per_execution `spe` steps each)
-    per epoch; the slow rank sleeps `delay` s per sample read or computes `extra` s more per step; `callbacks`
+    per epoch; the slow rank sleeps `delay` s per sample read or computes `extra` s more per step; every rank's
+    step sleeps `idle` s in its compute; `callbacks`
     go to hvdp.keras.callbacks(keras_callbacks=...). Returns the report's history."""
     _stragglers.reset()
     os.environ["HVDP_STRAGGLER_STEPS"] = str(period)
@@ -74,7 +81,7 @@ def train(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: floa
         return out, yi
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu"), Busy(extra),
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu"), Busy(extra, idle),
                               keras.layers.Dense(256, activation="relu"), keras.layers.Dense(4)])
     model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.01)), steps_per_execution=spe,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -106,8 +113,11 @@ def assert_named_within_two_periods(history: list[dict], cause: str) -> None:
 @check
 def balanced_fit_names_nobody_and_accounts_every_call(tmp):
     """Three periods of 20 identical steps (the periods the rule needs to be robust to noise: 10-step ones named
-    a rank on this loaded 2-core machine once in a few runs)."""
-    history = train(3, period=20)
+    a rank on this loaded 2-core machine once in a few runs), each sleeping 10 ms in its compute. Without that
+    the whole step is 6 ms of CPU work, and one CI run named rank 0 (Horovod's coordinator, on a 2-core
+    machine) as slow in its input for 1.4 and 0.9 ms above rank 1's, both over 10% of that step: a real
+    difference at that size, not a straggler users would be told of on a GPU step."""
+    history = train(3, period=20, idle=0.01)
     if world.rank == 0:
         assert [line for h in history for line in h["stragglers"]] == [], [h["ranks"] for h in history]
         for h in history:
