@@ -15,6 +15,14 @@ eagerly and the marks are time.time() readings.
 What the parts mean is hvdp.core.stragglers's: input is the time from the call's start (or the last step's
 update) until the batch is there; compute until the last gradient; wait in the gradient all-reduce (where a
 fast rank waits for a slow one); optimizer the update. HVDP_STEP_ACCOUNTING=0 turns it off.
+
+A TensorFlow custom loop over shard()'s dataset (`for x, y in dataset: train_step(x, y)`, the step a
+tf.function or eager) is accounted by the same marks (LOOP, one Marks per process, made when shard() makes its
+dataset): hvdp.tensorflow's DistributedOptimizer and DistributedGradientTape mark the gradients ready and
+reduced (and the optimizer its update) inside the step, and the dataset's eager iterator
+(hvdp/tensorflow/tracking.py) times the wait for each batch and closes the step at the next batch's request.
+A batch after which nothing was marked (an evaluation over a shard() dataset) closes no step. During a Keras
+fit its StepTimes drives the marks and the loop's account stays out.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ class Marks:
             self.values = [0.0] * 5
         else:
             import tensorflow as tf
-            self.values = tf.Variable(tf.zeros(5, tf.float64), trainable=False, name="hvdp_step_marks")
+            with tf.init_scope():  # made outside any tf.function being traced
+                self.values = tf.Variable(tf.zeros(5, tf.float64), trainable=False, name="hvdp_step_marks")
 
     def start(self, now: float) -> None:
         """A call begins at `now` (time.time()): no part measured yet."""
@@ -71,8 +80,70 @@ class Marks:
 
 
 def marks(optimizer) -> Marks | None:
-    """The Marks a DistributedOptimizer's step writes (StepTimes attached them), or None (no accounting)."""
-    return getattr(optimizer, "_hvdp_marks", None)
+    """The Marks a DistributedOptimizer's (or, `optimizer` None, a DistributedGradientTape's) step writes:
+    those StepTimes attached, else a custom loop's (LOOP), or None (no accounting)."""
+    return getattr(optimizer, "_hvdp_marks", None) or LOOP.marks
+
+
+class Loop:
+    """The step account of a TensorFlow custom loop over shard()'s dataset, driven by its eager iterator:
+    epoch_begin() at each iteration's start, fetch() when a batch is asked for (it closes the step the previous
+    batch began, when the step marked anything), arrived() when it is there, epoch_end() at the iteration's
+    end. All times are time.time() readings, the clock of the marks' tf.timestamp()."""
+
+    def __init__(self):
+        self.marks: Marks | None = None  # made by ensure(), in a world of 2+ ranks with the accounting on
+        self.fitting = False  # a Keras fit runs: its StepTimes drives the marks
+        self.began = 0.0      # the open step's start: the previous step's close, or the iteration's start
+        self.input_s = 0.0    # the open step's time waiting for batches
+        self.started: float | None = None  # the last mark as arrived() set it; None: no batch since the close
+
+    def ensure(self) -> None:
+        """Make the marks (shard() calls it, eagerly, before any step is traced) on TensorFlow in a world of 2+."""
+        if self.marks is None and _stragglers.ON and not _keras_backend.on_torch() \
+                and _keras_backend.horovod().size() > 1:
+            self.marks = Marks()
+
+    def active(self) -> bool:
+        return self.marks is not None and not self.fitting
+
+    def epoch_begin(self) -> int:
+        """An iteration of the dataset starts (a training epoch, or an evaluation inside one): a step its last
+        batch began and marked ends here; what comes next is no step's until a batch arrives. Returns the
+        steps so far, for epoch_end()."""
+        if self.active():
+            now = time.time()
+            self.fetch(now)
+            self.began, self.input_s, self.started = now, 0.0, None
+        return _stragglers.steps
+
+    def fetch(self, now: float) -> None:
+        """A batch is asked for at `now`: the step of the previous batch ended, if it marked anything (the time
+        since its last mark, the loop's own code after the update, is compute)."""
+        if not self.active() or self.started is None:
+            return
+        last, _, compute, wait, optimizer = self.marks.read()
+        if last == self.started:  # nothing marked since the batch came: not a training step
+            return
+        _stragglers.closed(_keras_backend.horovod(),
+                           (self.input_s, compute + max(0.0, now - last), wait, optimizer, now - self.began))
+        self.began, self.input_s, self.started = now, 0.0, None
+
+    def arrived(self, asked: float, now: float) -> None:
+        """The batch asked for at `asked` is there at `now`: input time; the step's marks count from now."""
+        if self.active():
+            self.input_s += now - asked
+            self.marks.start(now)
+            self.started = now
+
+    def epoch_end(self, steps_before: int) -> None:
+        """The iteration that began with `steps_before` steps (epoch_begin()) ended, every rank after the same
+        batches: report if the loop stepped in it."""
+        if self.active():
+            _stragglers.epoch_end(_keras_backend.horovod(), steps_before)
+
+
+LOOP = Loop()
 
 
 def ready(optimizer, grads):
@@ -106,6 +177,7 @@ class StepTimes(keras.callbacks.Callback):
         self._boards = list(boards)
 
     def on_train_begin(self, logs=None):
+        LOOP.fitting = True
         if not _stragglers.ON or _keras_backend.horovod().size() == 1:
             return
         optimizer, model = self.model.optimizer, self.model
@@ -140,6 +212,9 @@ class StepTimes(keras.callbacks.Callback):
             _, input_, compute, wait, optimizer = self._marks.read()
             _stragglers.closed(_keras_backend.horovod(), (input_, compute, wait, optimizer, now - self._began))
             self._began = now
+
+    def on_train_end(self, logs=None):
+        LOOP.fitting = False
 
     def on_epoch_end(self, epoch, logs=None):
         if self._marks is None:

@@ -23,10 +23,11 @@ def test_example_reaches_accuracy(framework, launcher):
     assert {"epochs", "samples_per_sec", "seconds", "test_loss"} <= result.keys()
     if framework == "keras":
         assert result["keras_backend"] == "tensorflow", result
-        times = result["step_times_ms"]  # the straggler report's last period (issue 47), from fit's steps
-        assert set(times) == {"0", "1"} and all(row["compute"] > 0 for row in times.values()), times
-    else:  # a custom loop keeps no step account (docs/troubleshooting.md)
-        assert result["step_times_ms"] == {}, result
+    # the straggler report's last period (issue 47): from fit's steps, or the custom loop's (its shard() dataset
+    # closes each step; its DistributedOptimizer marks the all-reduce and the update)
+    times = result["step_times_ms"]
+    assert set(times) == {"0", "1"} and all(row["compute"] > 0 and row["optimizer"] > 0 for row in times.values()), \
+        times
 
 
 def test_keras_example_on_the_torch_backend():

@@ -6,6 +6,7 @@ from typing import Iterable
 
 import tensorflow as tf
 
+from hvdp import _keras_steps
 from hvdp.core.errors import ConfigError
 from hvdp.tensorflow.runtime import hvd
 
@@ -163,9 +164,9 @@ class DistributedGradientTape:
             kwargs: further keywords for tf.GradientTape.gradient (unconnected_gradients).
         """
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
-        flat = tf.nest.flatten(grads)
-        return tf.nest.pack_sequence_as(grads, allreduce_gradients(flat, compression=self._compression,
-                                                                   variables=tf.nest.flatten(sources)))
+        flat = _keras_steps.ready(None, tf.nest.flatten(grads))  # a custom loop's step marks (issue 47)
+        reduced = allreduce_gradients(flat, compression=self._compression, variables=tf.nest.flatten(sources))
+        return tf.nest.pack_sequence_as(grads, _keras_steps.reduced(None, reduced))
 
     def __enter__(self):
         self._tape.__enter__()

@@ -1,10 +1,11 @@
 """What hvdp's watchdog knows of this rank (TensorFlow): every collective horovod.tensorflow runs eagerly
 (allreduce, allgather, broadcast and their grouped and in-place forms, alltoall, reducescatter, join: also
 what broadcast_object, allgather_object and hvdp.tensorflow's own broadcast, checks and checkpoints use) is
-recorded while it runs by the name Horovod gives it, in the registry the watchdog reads (hvdp.core.watchdog.Collectives);
-and a shard() dataset iterated eagerly (a custom loop's `for x, y in dataset`) tells it while the rank waits
-for a batch. Collectives and batches inside a tf.function (Keras fit, a compiled train step) run in
-TensorFlow's runtime, out of Python's sight: there only silent peers are caught.
+recorded while it runs by the name Horovod gives it, in the registry the watchdog reads
+(hvdp.core.watchdog.Collectives); and a shard() dataset iterated eagerly (a custom loop's `for x, y in
+dataset`) tells it while the rank waits for a batch (and times that wait and the loop's steps for the
+straggler report: hvdp/_keras_steps.py's LOOP). Collectives and batches inside a tf.function (Keras fit, a
+compiled train step) run in TensorFlow's runtime, out of Python's sight: there only silent peers are caught.
 
 install() wraps the functions of Horovod's TensorFlow op library in place, once per process, when the
 watchdog runs."""
@@ -12,11 +13,12 @@ watchdog runs."""
 from __future__ import annotations
 
 import functools
+import time
 
 import tensorflow as tf
 from tensorflow.python.data.ops import dataset_ops, iterator_ops
 
-from hvdp import _horovod
+from hvdp import _horovod, _keras_steps
 from hvdp.core.watchdog import Collectives
 
 LOADING = "in its tf.data input pipeline, waiting for a batch"
@@ -71,10 +73,14 @@ class _WatchedDataset(dataset_ops.UnaryUnchangedStructureDataset):
     def __init__(self, dataset: tf.data.Dataset):
         self._input_dataset = dataset
         super().__init__(dataset, dataset._variant_tensor)
+        _keras_steps.LOOP.ensure()  # before any step is traced: the steps then carry the marks
 
     def __iter__(self):
         if tf.executing_eagerly():
-            return _WatchedIterator(self)
+            steps = _keras_steps.LOOP.epoch_begin()
+            iterator = _WatchedIterator(self)
+            iterator._hvdp_steps_before = steps
+            return iterator
         return super().__iter__()
 
 
@@ -82,11 +88,21 @@ class _WatchedIterator(iterator_ops.OwnedIterator):
     def __next__(self):
         if not tf.executing_eagerly():
             return super().__next__()
+        asked = time.time()
+        _keras_steps.LOOP.fetch(asked)  # the previous batch's step, if it was one, ended here
         before = _horovod.enter(LOADING)
         try:
-            return super().__next__()
-        finally:
+            batch = super().__next__()
+        except StopIteration:
             _horovod.leave(before)
+            _keras_steps.LOOP.epoch_end(getattr(self, "_hvdp_steps_before", 0))
+            raise
+        except BaseException:
+            _horovod.leave(before)
+            raise
+        _horovod.leave(before)
+        _keras_steps.LOOP.arrived(asked, time.time())
+        return batch
 
 
 def watched(dataset: tf.data.Dataset) -> tf.data.Dataset:

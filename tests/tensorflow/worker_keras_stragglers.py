@@ -1,7 +1,8 @@
-"""Checks of the straggler report on Keras's fit (issue 47; hvdp/_keras_steps.py) in one launch, on the Keras
-backend KERAS_BACKEND names: a rank slow in its input or in its compute is named with its cause within two
-periods, with steps_per_execution 1 and (TensorFlow) 4; a balanced run names nobody. The last rank is made
-slow. Run by tests/tensorflow/test_keras_stragglers.py under horovodrun (MPI and Gloo)."""
+"""Checks of the straggler report on Keras's fit and TensorFlow custom loops (issue 47; hvdp/_keras_steps.py) in
+one launch, on the Keras backend KERAS_BACKEND names: a rank slow in its input or in its compute is named with
+its cause within two periods, with steps_per_execution 1 and (TensorFlow) 4, in a custom loop (TensorFlow)
+through DistributedOptimizer or DistributedGradientTape, compiled or eager; a balanced run names nobody. The
+last rank is made slow. Run by tests/tensorflow/test_keras_stragglers.py under horovodrun (MPI and Gloo)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvdp.keras as hk  # noqa: E402
+import hvdp.tensorflow as htf  # noqa: E402
 from hvdp import _keras_backend, _stragglers  # noqa: E402
 from tests.checks import check, main  # noqa: E402
 
@@ -60,17 +62,20 @@ class Busy(keras.layers.Layer):
         return x + zero
 
 
-def train(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: float = 0.0, idle: float = 0.0,
-          spe: int = 1, epochs: int = 1, callbacks: list | None = None) -> list[dict]:
-    """fit for `periods` reporting periods of `period` calls of the step (steps_per_execution `spe` steps each)
-    per epoch; the slow rank sleeps `delay` s per sample read or computes `extra` s more per step; every rank's
-    step sleeps `idle` s in its compute; `callbacks`
-    go to hvdp.keras.callbacks(keras_callbacks=...). Returns the report's history."""
+def setting(period: int, periods: int) -> tuple[np.ndarray, np.ndarray]:
+    """A fresh report with periods of `period` steps, and the samples of `periods` of them per rank."""
     _stragglers.reset()
     os.environ["HVDP_STRAGGLER_STEPS"] = str(period)
-    n = BATCH * world.size * period * periods * spe
+    n = BATCH * world.size * period * periods
     rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((n, 32)).astype("float32"), rng.integers(0, 4, n)
+    return rng.standard_normal((n, 32)).astype("float32"), rng.integers(0, 4, n)
+
+
+def slow_reader(delay: float):
+    """The map of shard() that reads the slow rank's samples one at a time, each `delay` s late (no parallel
+    reads hide it), or None (no delay, or another rank)."""
+    if not delay or world.rank != SLOW:
+        return None
 
     def slow_read(xi, yi):
         def sleep(v):
@@ -79,17 +84,59 @@ def train(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: floa
         out = tf.py_function(sleep, [xi], tf.float32)
         out.set_shape(xi.shape)
         return out, yi
+    return slow_read
 
+
+def network(extra: float = 0.0, idle: float = 0.0) -> keras.Model:
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu"), Busy(extra, idle),
-                              keras.layers.Dense(256, activation="relu"), keras.layers.Dense(4)])
+    return keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu"), Busy(extra, idle),
+                             keras.layers.Dense(256, activation="relu"), keras.layers.Dense(4)])
+
+
+def train(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: float = 0.0, idle: float = 0.0,
+          spe: int = 1, epochs: int = 1, callbacks: list | None = None) -> list[dict]:
+    """fit for `periods` reporting periods of `period` calls of the step (steps_per_execution `spe` steps each)
+    per epoch; the slow rank sleeps `delay` s per sample read or computes `extra` s more per step; every rank's
+    step sleeps `idle` s in its compute; `callbacks`
+    go to hvdp.keras.callbacks(keras_callbacks=...). Returns the report's history."""
+    x, y = setting(period, periods * spe)
+    model = network(extra, idle)
     model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.01)), steps_per_execution=spe,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    # the slow rank's samples are read one at a time, each `delay` s late (no parallel reads to hide it)
-    data = hk.shard((x, y), batch_size=BATCH, seed=0, map=slow_read if delay and world.rank == SLOW else None,
-                    num_parallel_calls=1)
+    data = hk.shard((x, y), batch_size=BATCH, seed=0, map=slow_reader(delay), num_parallel_calls=1)
     model.fit(data, epochs=epochs, verbose=0, callbacks=hk.callbacks(data=data, keras_callbacks=callbacks))
     assert len(_stragglers.history) == periods * epochs, [h["steps"] for h in _stragglers.history]
+    return _stragglers.history
+
+
+def loop(periods: int, *, period: int = PERIOD, delay: float = 0.0, extra: float = 0.0, idle: float = 0.0,
+         tape: bool = False, eager: bool = False, evaluate_at: int | None = None) -> list[dict]:
+    """A TensorFlow custom loop (TensorFlow backend only) over hvdp.tensorflow.shard()'s dataset for `periods`
+    periods of `period` steps: the step a tf.function (eager: run eagerly) averaging through hvdp.tensorflow's
+    DistributedOptimizer or (tape) its DistributedGradientTape and a plain optimizer; `delay`, `extra` and
+    `idle` as for train(); after step `evaluate_at` (if given) the loop iterates another shard() dataset
+    without training, as an evaluation does. Returns the report's history."""
+    x, y = setting(period, periods)
+    model, loss_fn = network(extra, idle), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = keras.optimizers.SGD(0.01) if tape else htf.DistributedOptimizer(keras.optimizers.SGD(0.01))
+    data = htf.shard((x, y), batch_size=BATCH, seed=0, map=slow_reader(delay), num_parallel_calls=1)
+
+    def step(xb, yb):
+        with tf.GradientTape() as t:
+            loss = loss_fn(yb, model(xb, training=True))
+        variables = model.trainable_variables
+        grads = (htf.DistributedGradientTape(t) if tape else t).gradient(loss, variables)
+        optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    step = step if eager else tf.function(step)
+    for i, (xb, yb) in enumerate(data):
+        step(xb, yb)
+        if i == evaluate_at:
+            for xe, ye in htf.shard((x[:BATCH * world.size * 3], y[:BATCH * world.size * 3]), batch_size=BATCH,
+                                    seed=0, shuffle=False):
+                float(loss_fn(ye, model(xe)))
+    assert len(_stragglers.history) == periods, [h["steps"] for h in _stragglers.history]
     return _stragglers.history
 
 
@@ -147,6 +194,52 @@ def slow_compute_is_named_with_steps_per_execution_4(tmp):
     if TORCH:
         return
     assert_named_within_two_periods(train(2, extra=0.015, spe=4), "compute")
+
+
+@check
+def custom_loop_balanced_names_nobody_and_accounts_every_step(tmp):
+    """A TensorFlow custom loop (tf.function step, DistributedOptimizer) of 3 balanced periods of 20 steps, each
+    sleeping 10 ms in its compute: nobody named, every step accounted with its parts; iterating a shard()
+    dataset without training (an evaluation, in the middle of the loop or after it) closes no step and reports
+    nothing, and the training step before it is not lost."""
+    if TORCH:
+        return
+    history = loop(3, period=20, idle=0.01, evaluate_at=30)
+    if world.rank == 0:
+        assert [line for h in history for line in h["stragglers"]] == [], [h["ranks"] for h in history]
+        for h in history:
+            for r in range(world.size):
+                row = h["ranks"][str(r)]
+                assert row["steps"] == 20, row
+                # the step's 10 ms sleep is compute; the all-reduce and the update are measured
+                assert row["compute"] >= 10 and row["wait"] > 0 and row["optimizer"] > 0, row
+                assert all(row[p] <= row["step"] * 1.05 for p in ("input", "compute", "wait", "optimizer")), row
+    assert _stragglers.steps == 60
+    x = np.zeros((BATCH * world.size * 20, 32), np.float32)
+    for xb in htf.shard(x, batch_size=BATCH, seed=0, shuffle=False):
+        float(tf.reduce_sum(xb))
+    assert _stragglers.steps == 60 and len(_stragglers.history) == 3, (_stragglers.steps, _stragglers.history)
+
+
+@check
+def custom_loop_slow_input_is_named(tmp):
+    """The slow rank of a custom loop (tf.function step, DistributedOptimizer) reads each sample 1.5 ms late."""
+    if not TORCH:
+        assert_named_within_two_periods(loop(3, delay=0.0015), "input")
+
+
+@check
+def custom_loop_slow_compute_is_named_through_the_tape(tmp):
+    """The slow rank of a custom loop averaging with DistributedGradientTape computes 15 ms more per step."""
+    if not TORCH:
+        assert_named_within_two_periods(loop(2, extra=0.015, tape=True), "compute")
+
+
+@check
+def custom_loop_run_eagerly_is_named(tmp):
+    """The same loop with its step run eagerly (no tf.function): the slow rank computes 15 ms more per step."""
+    if not TORCH:
+        assert_named_within_two_periods(loop(2, extra=0.015, eager=True), "compute")
 
 
 @check
