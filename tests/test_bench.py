@@ -166,6 +166,20 @@ def test_a_deadlocked_fork_in_the_pipeline_bench_is_read_again_not_waited_on(tmp
     assert not left, f"workers left running: {left}"  # the stalled ones were killed, not orphaned
 
 
+def test_the_step_accounting_cost_script_times_every_part():
+    """benchmarks/step_accounting.py (docs/benchmarks.md's per-step cost of the straggler accounting): each
+    figure measured, the TensorFlow loop's marks and hooks timed against the same step without them, and the
+    torch hooks' steps really closed (a hook that did nothing would cost ~0)."""
+    proc = subprocess.run([str(BIN / "python"), str(ROOT / "benchmarks" / "step_accounting.py"), "--steps", "50"],
+                          capture_output=True, text=True, cwd=ROOT, env=env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["torch_hooks_us"] > 0.5, figures
+    loop = figures["tensorflow_loop"]
+    assert set(loop) == {"step_us", "marks_us", "marks_and_hooks_us"} and loop["step_us"] > 0, loop
+    assert figures["steps_closed"] == {"torch": 50 * 20 * 5, "tensorflow": 50 * 5}, figures
+
+
 @pytest.mark.parametrize("args, message", [
     (["--np", "1"], "--np must be >= 2, got 1"),
     (["--frameworks", "torch,jax"], "--frameworks takes torch, tensorflow, got 'torch,jax'"),
