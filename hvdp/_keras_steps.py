@@ -99,17 +99,18 @@ class Loop:
 
     def __init__(self):
         self.marks: Marks | None = None  # made by ensure(), in a world of 2+ ranks with the accounting on
+        self.hvd = None       # horovod.tensorflow, once the marks are made
         self.fitting = False  # a Keras fit runs: its StepTimes drives the marks
         self.began = 0.0      # the open step's start: the previous step's close, or the iteration's start
         self.input_s = 0.0    # the open step's time waiting for batches
         self.open = False     # a batch arrived since the last close
         self.last = [0.0] * 5  # the marks as the last close (or restart) read them
 
-    def ensure(self) -> None:
-        """Make the marks (shard() calls it, eagerly, before any step is traced) on TensorFlow in a world of 2+."""
-        if self.marks is None and _stragglers.ON and not _keras_backend.on_torch() \
-                and _keras_backend.horovod().size() > 1:
-            self.marks = Marks()
+    def ensure(self, hvd) -> None:
+        """Make the marks (shard() calls it, eagerly, before any step is traced, with horovod.tensorflow) on
+        TensorFlow in a world of 2+."""
+        if self.marks is None and _stragglers.ON and not _keras_backend.on_torch() and hvd.size() > 1:
+            self.hvd, self.marks = hvd, Marks()
 
     def active(self) -> bool:
         return self.marks is not None and not self.fitting
@@ -136,8 +137,7 @@ class Loop:
         if values[0] == self.last[0]:  # nothing marked since the last close: not a training step (yet)
             return
         _, compute, wait, optimizer = (v - w for v, w in zip(values[1:], self.last[1:]))
-        _stragglers.closed(_keras_backend.horovod(),
-                           (self.input_s, compute - self.input_s, wait, optimizer, now - self.began))
+        _stragglers.closed(self.hvd, (self.input_s, compute - self.input_s, wait, optimizer, now - self.began))
         self.began, self.input_s, self.open, self.last = now, 0.0, False, values
 
     def arrived(self, asked: float, now: float) -> None:
@@ -152,7 +152,7 @@ class Loop:
         if self.active():
             now = time.time()
             self.fetch(now)
-            _stragglers.epoch_end(_keras_backend.horovod(), steps_before)
+            _stragglers.epoch_end(self.hvd, steps_before)
             self._restart(time.time())
 
 

@@ -73,7 +73,8 @@ class _WatchedDataset(dataset_ops.UnaryUnchangedStructureDataset):
     def __init__(self, dataset: tf.data.Dataset):
         self._input_dataset = dataset
         super().__init__(dataset, dataset._variant_tensor)
-        _keras_steps.LOOP.ensure()  # before any step is traced: the steps then carry the marks
+        from hvdp.tensorflow.runtime import hvd
+        _keras_steps.LOOP.ensure(hvd)  # before any step is traced: the steps then carry the marks
 
     def __iter__(self):
         if tf.executing_eagerly():
