@@ -153,14 +153,6 @@ def summary(metrics: dict, *, framework: str, world_size: int, epochs: int, samp
             "stragglers": [line for p in periods for line in p["stragglers"]], **extra}
 
 
-def step_time_scalars() -> list[tuple[str, float]]:
-    """(TensorBoard tag, ms per step) of the straggler report's last period: each rank's median input,
-    compute, wait and optimizer time (rank 0 writes them each epoch)."""
-    last = hvdp.straggler_periods()[-1:]
-    return [(f"step_ms/{part}/rank{rank}", row[part]) for rank, row in (last[0]["ranks"].items() if last else ())
-            for part in ("input", "compute", "wait", "optimizer")]
-
-
 def report(metrics: dict, **fields) -> None:
     """The examples' last line of output: `result: {json}` of summary(metrics, **fields) (rank 0 only;
     callers check)."""

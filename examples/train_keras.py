@@ -19,7 +19,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from common import (DEFAULTS, digest, fail, load_data, num_classes, parse_config, print_result,  # noqa: E402
-                    record_files, select_keras_backend, step_time_scalars, summary, write_files)
+                    record_files, select_keras_backend, summary, write_files)
 
 if __name__ == "__main__":
     select_keras_backend()  # --keras-backend: Keras reads KERAS_BACKEND once, when it is imported (next line)
@@ -28,6 +28,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import hvdp  # noqa: E402
 import hvdp.keras as hvdp_keras  # noqa: E402
 from hvdp.core.checkpoint import write_atomic  # noqa: E402
 from hvdp.core.errors import ConfigError, HvdpError  # noqa: E402
@@ -142,7 +143,7 @@ class _TensorBoardScalars(keras.callbacks.Callback):
         h = self.history[-1]
         with self.writer.as_default():
             for name, value in (("loss/train", h["loss"]), ("accuracy/test", h["accuracy"]), ("lr", h["lr"]),
-                                *step_time_scalars()):  # step_ms/<part>/rank<r>: the straggler report's figures
+                                *hvdp.straggler_scalars()):  # step_ms/<part>/rank<r>: the straggler report's figures
                 self.tf.summary.scalar(name, value, step=epoch)
         self.writer.flush()
 

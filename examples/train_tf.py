@@ -18,8 +18,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import hvdp  # noqa: E402
 import hvdp.tensorflow as hvdp_tf  # noqa: E402
-from common import DEFAULTS, fail, load_data, num_classes, parse_config, report, step_time_scalars  # noqa: E402
+from common import DEFAULTS, fail, load_data, num_classes, parse_config, report  # noqa: E402
 from hvdp.core.checkpoint import write_atomic  # noqa: E402
 from hvdp.core.errors import ConfigError, HvdpError  # noqa: E402
 from train_keras import build_model, training_data  # noqa: E402  (the same CNN and data)
@@ -79,7 +80,7 @@ def main() -> None:
             with writer.as_default():
                 for name, value in (("loss/train", train_loss), ("accuracy/test", metrics["accuracy"]), ("lr", lr),
                                     ("samples_per_sec", samples * world.size / (time.perf_counter() - started)),
-                                    *step_time_scalars()):  # step_ms/<part>/rank<r>: the straggler report's
+                                    *hvdp.straggler_scalars()):  # step_ms/<part>/rank<r>: the straggler report's
                     tf.summary.scalar(name, value, step=epoch)
         if cfg.checkpoint_dir:  # hvdp: rank 0 writes atomically, every rank calls
             hvdp_tf.save_checkpoint(cfg.checkpoint_dir, model, optimizer, epoch=epoch + 1, step=0,

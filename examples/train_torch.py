@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import hvdp
 import hvdp.torch as hvdp_torch
 from common import (DEFAULTS, digest, fail, load_data, num_classes, parse_config, print_result,
-                    step_time_scalars, summary, write_files)
+                    summary, write_files)
 from hvdp.core.checkpoint import write_atomic
 from hvdp.core.errors import ConfigError, HvdpError
 
@@ -137,7 +138,7 @@ def train(cfg) -> dict:
         if writer:
             for name, value in (("loss/train", train_loss), ("loss/test", metrics["loss"]),
                                 ("accuracy/test", metrics["accuracy"]), ("lr", hvdp_torch.current_lr(optimizer)),
-                                ("samples_per_sec", samples * world.size / elapsed), *step_time_scalars()):
+                                ("samples_per_sec", samples * world.size / elapsed), *hvdp.straggler_scalars()):
                 writer.add_scalar(name, value, epoch)  # step_ms/<part>/rank<r>: the straggler report's figures
         if cfg.checkpoint_dir:
             save(epoch + 1, 0)

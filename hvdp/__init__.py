@@ -7,7 +7,7 @@
     import hvdp.keras as hvdp_keras        # Keras 3 model.fit
 
 Here: TrainConfig (the shared training flags), World (rank and size), the error classes and
-straggler_periods() (the per-rank step times of the straggler report, for your logs). Each public
+straggler_periods() and straggler_scalars() (the per-rank step times of the straggler report, for your logs). Each public
 function's contract: `python -m pydoc hvdp.torch` (or hvdp.tensorflow, hvdp.keras, hvdp.core.<module>).
 """
 
@@ -37,6 +37,15 @@ def straggler_periods() -> list[dict]:
     return _stragglers.periods()
 
 
+def straggler_scalars() -> list[tuple[str, float]]:
+    """The last period of straggler_periods() as (TensorBoard tag, ms per step) pairs: step_ms/<part>/rank<r>
+    for each rank's median input, compute, wait and optimizer time; empty before the first period. Write them
+    from rank 0 at each epoch's end (`tf.summary.scalar(tag, value, step=epoch)` or SummaryWriter.add_scalar):
+    hvdp.keras.callbacks() does it for a keras.callbacks.TensorBoard given as keras_callbacks."""
+    from hvdp import _stragglers
+    return _stragglers.scalars()
+
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
@@ -49,4 +58,5 @@ __all__ = [
     "World",
     "__version__",
     "straggler_periods",
+    "straggler_scalars",
 ]

@@ -15,8 +15,9 @@ def _result(proc):
 
 # Each example under one launcher: both adapters run under MPI and Gloo in tests/tensorflow/test_tf.py.
 @pytest.mark.parametrize("framework,launcher", [("keras", "mpi"), ("tensorflow", "gloo")])
-def test_example_reaches_accuracy(framework, launcher):
-    result = _result(run(launcher, SCRIPTS[framework], timeout=300, extra_env=QUIET))
+def test_example_reaches_accuracy(framework, launcher, tmp_path):
+    logdir = tmp_path / "tb"
+    result = _result(run(launcher, SCRIPTS[framework], "--logdir", str(logdir), timeout=300, extra_env=QUIET))
     assert result["framework"] == framework and result["world_size"] == 2
     assert result["test_accuracy"] >= 0.97, result
     assert result["test_samples"] == 359  # every test sample counted once, whatever the world size
@@ -28,6 +29,11 @@ def test_example_reaches_accuracy(framework, launcher):
     times = result["step_times_ms"]
     assert set(times) == {"0", "1"} and all(row["compute"] > 0 and row["optimizer"] > 0 for row in times.values()), \
         times
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tags = EventAccumulator(str(logdir)).Reload().Tags()  # tf.summary's scalars are stored as tensors
+    written = set(tags["scalars"]) | set(tags["tensors"])
+    assert {f"step_ms/{p}/rank{r}" for p in ("input", "compute", "wait", "optimizer") for r in (0, 1)} <= written, \
+        written  # each rank's step times, written by rank 0 (hvdp.straggler_scalars())
 
 
 def test_keras_example_on_the_torch_backend():
