@@ -62,13 +62,13 @@ def test_dead_rank_ends_the_job_naming_it(launcher):
 
 
 def test_rank_busy_between_steps_for_longer_than_the_silent_peer_limit_does_not_end_the_job():
-    """Rank 0 sleeps 30 s between two steps, outside any collective (evaluating, writing a checkpoint to a
-    slow filesystem), while rank 1 waits in the all-reduce: with a silent-peer limit of 20 s (default 60) and
+    """Rank 0 sleeps 14 s between two steps, outside any collective (evaluating, writing a checkpoint to a
+    slow filesystem), while rank 1 waits in the all-reduce: with a silent-peer limit of 8 s (default 60) and
     the default limit for a live peer elsewhere (1800 s), rank 1 warns once, naming rank 0, its step and
     phase, and the job finishes. MPI and Gloo run side by side, so the test costs one pause."""
     cmds = {launcher: launcher_cmd(launcher) + [str(WORKER), "--fault", "pause", "--rank", "0", "--at-step", "5",
-                                                "--steps", "8", "--pause", "30"] for launcher in ("mpi", "gloo")}
-    procs = {launcher: subprocess.Popen(cmd, cwd=ROOT, env=env(HVDP_WATCHDOG_TIMEOUT="20"), stdout=subprocess.PIPE,
+                                                "--steps", "8", "--pause", "14"] for launcher in ("mpi", "gloo")}
+    procs = {launcher: subprocess.Popen(cmd, cwd=ROOT, env=env(HVDP_WATCHDOG_TIMEOUT="8"), stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True) for launcher, cmd in cmds.items()}
     for launcher, proc in procs.items():
         out, _ = proc.communicate(timeout=300)
