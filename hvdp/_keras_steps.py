@@ -46,7 +46,9 @@ class Marks:
             self.values = [0.0] * 5
         else:
             import tensorflow as tf
-            with tf.init_scope():  # made outside any tf.function being traced
+            # made outside any tf.function being traced; in host memory, so that reading it each step copies
+            # nothing from a GPU (the marks are host clock readings)
+            with tf.init_scope(), tf.device("/CPU:0"):
                 self.values = tf.Variable(tf.zeros(5, tf.float64), trainable=False, name="hvdp_step_marks")
 
     def start(self, now: float) -> None:
