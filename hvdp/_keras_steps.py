@@ -150,10 +150,9 @@ class Loop:
 
     def epoch_end(self, steps_before: int) -> None:
         """The iteration that began with `steps_before` steps (epoch_begin()) ended, every rank after the same
-        batches: report if the loop stepped in it."""
+        batches (the request that found it over closed its last step: fetch()): report if the loop stepped in
+        it."""
         if self.active():
-            now = time.time()
-            self.fetch(now)
             _stragglers.epoch_end(self.hvd, steps_before)
             self._restart(time.time())
 
